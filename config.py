@@ -1,0 +1,252 @@
+"""Run configuration: TOML into frozen dataclasses, with `--set section.key=value` overrides.
+
+Every option has a default so the testnet runs with none. Unknown sections or keys are
+errors, because a typo that silently falls back to a default wastes a whole run.
+The coordinator owns the run's config and sends it to each node as JSON in JoinReply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarmpipe.errors import ConfigError
+
+CODEC_NAMES = ("lossless", "fp16", "bf16", "int8")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """The GPT-style decoder, or a user factory that returns the model as a list of layers."""
+
+    n_layers: int = 6
+    """Transformer blocks in the whole model (split across the stages)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model."""
+    context: int = 64
+    """Tokens per sample (bytes, since the vocabulary is byte-level)."""
+    vocab: int = 256
+    """Vocabulary size; 256 for byte-level text."""
+    factory: str = ""
+    """`module:function` returning `list[torch.nn.Module]`; empty means the built-in GPT.
+    The function receives this ModelConfig; the last layer's output goes to the loss."""
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 1 or self.d_model < 1 or self.context < 1 or self.vocab < 2:
+            raise ConfigError("model.n_layers, d_model, context must be >= 1 and vocab >= 2")
+        if self.n_heads < 1 or self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"
+            )
+        if self.factory and ":" not in self.factory:
+            raise ConfigError(f"model.factory={self.factory!r} must look like 'package.module:fn'")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Where training text comes from and how samples are drawn from it."""
+
+    paths: tuple[str, ...] = ()
+    """Text files or globs; empty means the Python standard library's .py sources,
+    which exist offline on every machine that runs swarmpipe."""
+    holdout_fraction: float = 0.02
+    """Fraction of sample windows kept out of training for evaluation."""
+    max_bytes: int = 64 * 1024 * 1024
+    """Read at most this much text, so a large glob cannot exhaust a node's memory."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.holdout_fraction < 0.5:
+            raise ConfigError("data.holdout_fraction must be in [0, 0.5)")
+        if self.max_bytes < 1024:
+            raise ConfigError("data.max_bytes must be at least 1024")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """The optimisation: steps, batch sizes and AdamW."""
+
+    steps: int = 50
+    """Optimizer steps in the run."""
+    global_batch: int = 32
+    """Samples per optimizer step, summed over every head."""
+    microbatch: int = 8
+    """Samples per microbatch (one lease, one trip through the pipeline)."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    seed: int = 0
+    """Seeds parameter initialisation and the sample order."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.global_batch < 1 or self.microbatch < 1:
+            raise ConfigError("train.steps, global_batch and microbatch must be >= 1")
+        if self.microbatch > self.global_batch:
+            raise ConfigError(
+                f"train.microbatch={self.microbatch} exceeds train.global_batch="
+                f"{self.global_batch}"
+            )
+        if self.lr <= 0:
+            raise ConfigError("train.lr must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineConfig:
+    """How the model is cut into stages and what crosses each hop."""
+
+    stages: int = 3
+    """Pipeline stages; each node serves one."""
+    activation_codec: str = "lossless"
+    """Codec for activations sent downstream: lossless, fp16, bf16 or int8."""
+    gradient_codec: str = "lossless"
+    """Codec for gradients sent upstream: lossless, fp16, bf16 or int8."""
+    int8_block_size: int = 256
+    """Elements per absmax block of the int8 codec."""
+    in_flight: int = 2
+    """Microbatches a head keeps in the pipeline at once."""
+    hop_timeout_s: float = 120.0
+    """Upper bound on one hop's call, downstream included. A failed hop is retried."""
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ConfigError("pipeline.stages must be >= 1")
+        for name in ("activation_codec", "gradient_codec"):
+            value = getattr(self, name)
+            if value not in CODEC_NAMES:
+                raise ConfigError(
+                    f"pipeline.{name}={value!r} is not one of {', '.join(CODEC_NAMES)}"
+                )
+        if self.int8_block_size < 1:
+            raise ConfigError("pipeline.int8_block_size must be >= 1")
+        if self.in_flight < 1:
+            raise ConfigError("pipeline.in_flight must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CoordinatorConfig:
+    """The coordinator's own behaviour."""
+
+    lease_timeout_s: float = 300.0
+    """A lease not committed within this long is leased again (counted as replayed)."""
+
+    def __post_init__(self) -> None:
+        if self.lease_timeout_s <= 0:
+            raise ConfigError("coordinator.lease_timeout_s must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """Everything that defines a run; the coordinator sends it to every node."""
+
+    run_id: str = "testnet"
+    """Names the run's MQTT topics (swarmpipe/<run_id>/...)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+
+    def __post_init__(self) -> None:
+        if not self.run_id or any(c in self.run_id for c in "/#+ "):
+            raise ConfigError(f"run_id={self.run_id!r} must be non-empty without '/', '#', '+'")
+        n_layers = self.model.n_layers + 2  # embedding and head count as layers
+        if self.pipeline.stages > n_layers:
+            raise ConfigError(
+                f"pipeline.stages={self.pipeline.stages} exceeds the model's {n_layers} layers"
+            )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"run spec is not valid JSON: {exc}") from exc
+        return _build(cls, raw, "")
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Check and convert one TOML/JSON value to the annotated field type."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"[{where}] must be a table")
+        return _build(tp, value, where)  # type: ignore[arg-type]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where} must be a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, where) for v in value)
+        if len(value) != len(args):
+            raise ConfigError(f"{where} must have {len(args)} items")
+        return tuple(_coerce(a, v, where) for a, v in zip(args, value, strict=True))
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{where}: union types are not supported in config")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{where} must be {tp.__name__}, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported config type {tp!r}")
+
+
+def _build(cls: type[Any], raw: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        place = f"[{where}]" if where else "the top level"
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(unknown)} in {place}; known: {', '.join(sorted(names))}"
+        )
+    kwargs = {
+        key: _coerce(hints[key], value, f"{where}.{key}" if where else key)
+        for key, value in raw.items()
+    }
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} must look like section.key=value")
+    key, text = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words are strings: --set pipeline.activation_codec=int8
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Read a TOML file (or the defaults) and apply `section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for item in overrides:
+        keys, value = _parse_override(item)
+        table = raw
+        for k in keys[:-1]:
+            table = table.setdefault(k, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"--set {item!r}: {k} is not a section")
+        table[keys[-1]] = value
+    return _build(RunConfig, raw, "")
