@@ -1,0 +1,220 @@
+"""The tensor codec interface, and the dtype table shared by every codec.
+
+A codec turns one tensor into payload bytes and a `TensorHeader` that describes them, and back.
+Integrity (crc32), size limits and chunking belong to the wire form (`wire.py`), not to codecs.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import sys
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from swarmpipe.errors import CodecError
+from swarmpipe.protos import tensor_pb2
+
+# Payloads are little-endian, and every codec writes the host's bytes as they are. Every platform
+# torch ships for is little-endian; fail loudly rather than send byte-swapped tensors.
+if sys.byteorder != "little":
+    raise ImportError("swarmpipe.compression assumes a little-endian host")
+
+DEFAULT_BLOCK_SIZE = 256
+"""Elements per absmax block of blockwise codecs unless the caller says otherwise."""
+
+MAX_DIMS = 64
+"""Most dimensions a header may give; no model tensor comes near, so more is a bug or hostile."""
+
+DTYPES: dict[tensor_pb2.DType.ValueType, torch.dtype] = {
+    tensor_pb2.DTYPE_FLOAT32: torch.float32,
+    tensor_pb2.DTYPE_FLOAT16: torch.float16,
+    tensor_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    tensor_pb2.DTYPE_INT64: torch.int64,
+    tensor_pb2.DTYPE_INT32: torch.int32,
+}
+"""The torch dtype of each wire dtype; DTYPE_UNSPECIFIED has none."""
+
+_DTYPE_ENUMS = {torch_dtype: enum for enum, torch_dtype in DTYPES.items()}
+
+FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+"""The dtypes lossy codecs accept; rounding an integer tensor is never what the caller meant."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`float32` rather than `torch.float32`, for messages."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_enum(dtype: torch.dtype) -> tensor_pb2.DType.ValueType:
+    """The wire dtype of a torch dtype; CodecError for one the wire cannot carry."""
+    try:
+        return _DTYPE_ENUMS[dtype]
+    except KeyError:
+        known = ", ".join(dtype_name(d) for d in _DTYPE_ENUMS)
+        raise CodecError(
+            f"cannot send a {dtype_name(dtype)} tensor; the wire carries {known}"
+        ) from None
+
+
+def header_dtype(header: tensor_pb2.TensorHeader) -> torch.dtype:
+    """The torch dtype a header decodes to; CodecError for an unknown wire dtype."""
+    try:
+        return DTYPES[header.dtype]
+    except KeyError:
+        raise CodecError(
+            f"tensor header has unknown dtype enum value {header.dtype}; "
+            "the sender runs a newer or broken swarmpipe"
+        ) from None
+
+
+def numel(shape: Sequence[int]) -> int:
+    """Elements in a tensor of this shape (Python ints: no overflow on hostile shapes)."""
+    return math.prod(shape)
+
+
+def describe(header: tensor_pb2.TensorHeader) -> str:
+    """A header in user terms for error messages: `shape [8, 64], float32, lossless`."""
+    dtype = DTYPES.get(header.dtype)
+    dtype_text = dtype_name(dtype) if dtype is not None else f"dtype enum {header.dtype}"
+    try:
+        codec_text = tensor_pb2.Codec.Name(header.codec).removeprefix("CODEC_").lower()
+    except ValueError:
+        codec_text = f"codec enum {header.codec}"
+    if header.block_size:
+        codec_text += f" block {header.block_size}"
+    return f"shape {list(header.shape)}, {dtype_text}, {codec_text}"
+
+
+class TensorCodec(abc.ABC):
+    """One way to turn a tensor into payload bytes and back; registered by `codec_id`.
+
+    Subclasses implement the three abstract methods on flat tensors; this base class owns the
+    header, the shape and the checks every codec needs, so a new codec is a small file.
+    """
+
+    codec_id: ClassVar[tensor_pb2.Codec.ValueType]
+    """The wire enum value this codec answers to; the registry is keyed by it."""
+    name: ClassVar[str]
+    """The config name (`pipeline.activation_codec = "int8"`)."""
+    dtypes: ClassVar[frozenset[torch.dtype]] = FLOAT_DTYPES
+    """Dtypes the codec can encode, and so the header dtypes it can decode to."""
+    blockwise: ClassVar[bool] = False
+    """Whether the header's block_size means something to this codec."""
+
+    @abc.abstractmethod
+    def expected_payload_bytes(self, header: tensor_pb2.TensorHeader) -> int:
+        """Payload length a valid header implies; call `check_header` first."""
+
+    @abc.abstractmethod
+    def _encode_flat(self, flat: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The payload of a 1-D tensor as a 1-D uint8 tensor on the input's device.
+
+        `flat` may share memory with the caller's tensor and must not be modified.
+        """
+
+    @abc.abstractmethod
+    def _decode_flat(self, header: tensor_pb2.TensorHeader, raw: torch.Tensor) -> torch.Tensor:
+        """The 1-D tensor of the header's dtype that `raw` (uint8, right length) encodes.
+
+        The codec owns `raw` and may return a view of it.
+        """
+
+    def encode(
+        self, tensor: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> tuple[tensor_pb2.TensorHeader, bytes]:
+        """The header (crc32 left 0: the wire sets it) and payload bytes of `tensor`.
+
+        Works on any device; the arithmetic runs where the tensor is and only the payload is
+        copied to host memory. `block_size` is ignored by codecs that are not blockwise.
+        """
+        if tensor.dtype not in self.dtypes:
+            integer = tensor.dtype in _DTYPE_ENUMS and not tensor.dtype.is_floating_point
+            raise CodecError(
+                f"the {self.name} codec cannot encode {dtype_name(tensor.dtype)} tensors; "
+                f"it takes {_dtype_list(self.dtypes)}"
+                + ("; send integer tensors with the lossless codec" if integer else "")
+            )
+        if self.blockwise and block_size < 1:
+            raise CodecError(f"block_size must be >= 1 for the {self.name} codec, not {block_size}")
+        header = tensor_pb2.TensorHeader(
+            dtype=dtype_enum(tensor.dtype),
+            shape=tensor.shape,
+            codec=self.codec_id,
+            block_size=block_size if self.blockwise else 0,
+        )
+        # reshape copies only when the tensor is not contiguous; detach lets .numpy() work on
+        # tensors that require grad without copying them.
+        raw = self._encode_flat(tensor.detach().reshape(-1), header.block_size)
+        payload = raw.cpu().numpy().tobytes()
+        header.payload_bytes = len(payload)
+        return header, payload
+
+    def decode(
+        self,
+        header: tensor_pb2.TensorHeader,
+        payload: bytes | bytearray | memoryview,
+        *,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """The tensor `payload` encodes, with the header's dtype and shape.
+
+        `payload` is only read and the result never shares its memory. Does not check crc32;
+        `wire.decode_tensor` does. `device` is where the arithmetic runs and the result lives
+        (default CPU): decoding on the GPU moves the compact payload, not the decoded tensor.
+        """
+        self.check_header(header)
+        view = memoryview(payload).cast("B")
+        expected = self.expected_payload_bytes(header)
+        if view.nbytes != expected:
+            raise CodecError(
+                f"tensor payload is {view.nbytes} bytes but {describe(header)} takes {expected}"
+            )
+        raw = torch.empty(view.nbytes, dtype=torch.uint8)
+        # Copying through the buffer protocol: torch.frombuffer on read-only bytes warns, and
+        # decoded tensors must own writable memory anyway.
+        raw.numpy().data[:] = view
+        return self.decode_owned(header, raw, device=device)
+
+    def decode_owned(
+        self,
+        header: tensor_pb2.TensorHeader,
+        raw: torch.Tensor,
+        *,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """Like `decode`, but takes over `raw` (1-D uint8, exactly the payload; the header
+        already checked): the result may share its memory, so the caller must not touch `raw`
+        again."""
+        if device is not None:
+            raw = raw.to(device)
+        return self._decode_flat(header, raw).view(tuple(header.shape))
+
+    def check_header(self, header: tensor_pb2.TensorHeader) -> None:
+        """CodecError unless the header is one this codec can decode (limits aside)."""
+        if header.codec != self.codec_id:
+            raise CodecError(f"header is for another codec, not {self.name} ({describe(header)})")
+        dtype = header_dtype(header)
+        if dtype not in self.dtypes:
+            raise CodecError(
+                f"the {self.name} codec cannot decode to {dtype_name(dtype)}; it decodes to "
+                f"{_dtype_list(self.dtypes)} ({describe(header)})"
+            )
+        if len(header.shape) > MAX_DIMS:
+            raise CodecError(
+                f"tensor header has {len(header.shape)} dimensions, more than {MAX_DIMS}"
+            )
+        if any(dim < 0 for dim in header.shape):
+            raise CodecError(f"tensor header has a negative dimension ({describe(header)})")
+        if self.blockwise and header.block_size < 1:
+            raise CodecError(f"tensor header needs block_size >= 1 ({describe(header)})")
+        if not self.blockwise and header.block_size:
+            raise CodecError(
+                f"tensor header has a block_size but the codec has no blocks ({describe(header)})"
+            )
+
+
+def _dtype_list(dtypes: frozenset[torch.dtype]) -> str:
+    return ", ".join(sorted(dtype_name(d) for d in dtypes))

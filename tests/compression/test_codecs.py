@@ -1,0 +1,281 @@
+"""Round trips and error bounds of every codec, and the registry's import-time check."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from swarmpipe import config
+from swarmpipe.compression import (
+    CODECS,
+    CODECS_BY_NAME,
+    BlockwiseInt8Codec,
+    LosslessCodec,
+    TensorCodec,
+    blockwise_int8,
+    decode_tensor,
+    encode_tensor,
+    get_codec,
+    registry,
+)
+from swarmpipe.errors import CodecError
+from swarmpipe.protos import tensor_pb2
+
+pytestmark = pytest.mark.filterwarnings("error")  # e.g. torch.frombuffer on read-only bytes
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+# Unit roundoff of each dtype: the most a single rounding to it moves a value, relatively.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# Each case builds a float32 tensor; the test casts it to the dtype under test.
+SHAPES: dict[str, Callable[[], torch.Tensor]] = {
+    "0-d": lambda: torch.tensor(-1.75),
+    "empty": lambda: torch.empty(0),
+    "empty-2d": lambda: torch.empty(4, 0, 3),
+    "3x5": lambda: torch.randn(3, 5, generator=_gen(1)),
+    "transposed": lambda: torch.randn(40, 70, generator=_gen(2)).t(),  # non-contiguous
+    "strided": lambda: torch.randn(9, 300, generator=_gen(3))[::2, 5:],
+    "1000 (4 blocks, short tail)": lambda: 10 * torch.randn(1000, generator=_gen(4)),
+    "2x512 (whole blocks)": lambda: torch.randn(2, 512, generator=_gen(5)) * 1e-3,
+    "mixed magnitudes": lambda: (
+        torch.randn(3, 256, generator=_gen(6)) * torch.tensor([1e-4, 1.0, 300.0])[:, None]
+    ),
+}
+
+
+def _roundtrip(x: torch.Tensor, codec: str, block_size: int = 256) -> torch.Tensor:
+    header, payload = encode_tensor(x, codec, block_size=block_size)
+    assert len(payload) == header.payload_bytes
+    assert header.payload_bytes == get_codec(codec).expected_payload_bytes(header)
+    y = decode_tensor(header, payload)
+    assert y.dtype == x.dtype
+    assert y.shape == x.shape
+    assert y.is_contiguous()
+    return y
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("case", SHAPES)
+def test_lossless_is_bit_identical(case: str, dtype: torch.dtype) -> None:
+    x = SHAPES[case]().to(dtype)
+    y = _roundtrip(x, "lossless")
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(y.reshape(-1).view(bits), x.reshape(-1).contiguous().view(bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=str)
+def test_lossless_integers_are_exact(dtype: torch.dtype) -> None:
+    info = torch.iinfo(dtype)
+    x = torch.tensor([[info.min, -1, 0], [1, 7, info.max]], dtype=dtype).t()
+    assert torch.equal(_roundtrip(x, "lossless"), x)
+
+
+def test_lossless_keeps_nan_and_inf_bits() -> None:
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    y = _roundtrip(x, "lossless")
+    assert torch.equal(y.view(torch.int32), x.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("case", SHAPES)
+@pytest.mark.parametrize(("codec", "rtol"), [("fp16", 1e-3), ("bf16", 1e-2)])
+def test_half_casts_are_within_relative_error(
+    case: str, dtype: torch.dtype, codec: str, rtol: float
+) -> None:
+    x = SHAPES[case]().to(dtype)
+    y = _roundtrip(x, codec)
+    # atol covers values in fp16's subnormal range, where only absolute spacing is promised.
+    err = (y.float() - x.float()).abs()
+    assert bool((err <= rtol * x.float().abs() + 2.0**-24).all())
+
+
+def _int8_bound(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-element bound on |decoded - x| that follows from the codec's arithmetic.
+
+    Rounding to the nearest code is off by at most half a step, s/2 with s = absmax/127.
+    The fp32 arithmetic (the reciprocal, the product, the scale and the decoding multiply)
+    adds at most ~500 ulp of s, which (1 + 1e-4) covers; decoding to fp16/bf16 rounds once
+    more, by at most the dtype's unit roundoff times |value| <= absmax.
+    """
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    nb = -(-n // block_size)
+    padded = torch.zeros(nb * block_size)
+    padded[:n] = flat.abs()
+    absmax = padded.view(nb, block_size).amax(dim=1)
+    per_block = absmax / 127 / 2 * (1 + 1e-4) + absmax * UNIT_ROUNDOFF[x.dtype]
+    return per_block.repeat_interleave(block_size)[:n].view(x.shape)
+
+
+@pytest.mark.parametrize("block_size", [256, 64, 7, 1, 100_000])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("case", SHAPES)
+def test_int8_error_is_within_half_a_step_per_block(
+    case: str, dtype: torch.dtype, block_size: int
+) -> None:
+    x = SHAPES[case]().to(dtype)
+    header, _ = encode_tensor(x, "int8", block_size=block_size)
+    assert header.block_size == block_size
+    y = _roundtrip(x, "int8", block_size)
+    err = (y.float() - x.float()).abs()
+    assert bool((err <= _int8_bound(x, block_size)).all())
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize(("n", "block_size"), [(1000, 7), (4096, 256), (777, 256), (50, 1)])
+def test_int8_pieces_give_the_same_bytes_as_one_pass(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n: int, block_size: int
+) -> None:
+    # CPU quantisation works through cache-sized pieces; small pieces must change nothing.
+    x = (torch.randn(n, generator=_gen(9)) * 30).to(dtype)
+    header, payload = encode_tensor(x, "int8", block_size=block_size)
+    y = decode_tensor(header, payload)
+    monkeypatch.setattr(blockwise_int8, "_CPU_PIECE_ELEMENTS", 3 * block_size + 1)
+    assert encode_tensor(x, "int8", block_size=block_size) == (header, payload)
+    assert torch.equal(decode_tensor(header, payload), y)
+
+
+def test_int8_payload_is_scales_then_codes() -> None:
+    x = torch.tensor([0.0, 0.0, 254.0, -127.0, 1.0])  # blocks of 2: [0, 0], [254, -127], [1]
+    header, payload = encode_tensor(x, "int8", block_size=2)
+    scales = torch.frombuffer(bytearray(payload[:12]), dtype=torch.float32)
+    codes = torch.frombuffer(bytearray(payload[12:]), dtype=torch.int8)
+    assert torch.equal(scales, torch.tensor([0.0, 2.0, 1.0 / 127]))
+    assert codes.tolist() == [0, 0, 127, -64, 127]  # -63.5 rounds half to even
+    assert header.payload_bytes == 3 * 4 + 5
+    assert decode_tensor(header, payload).tolist()[:4] == [0.0, 0.0, 254.0, -128.0]
+
+
+def test_int8_non_finite_block_decodes_to_nan_and_spares_the_others() -> None:
+    x = torch.ones(4 * 8)
+    x[1] = float("nan")
+    x[9] = float("inf")
+    x[17] = -float("inf")
+    y = _roundtrip(x, "int8", block_size=8)
+    assert bool(y[:24].isnan().all())
+    assert torch.equal(y[24:], x[24:])
+
+
+def test_fp16_clamps_to_the_finite_range() -> None:
+    x = torch.tensor([1e6, -1e6, float("inf"), -float("inf"), 65519.0, 65520.0, float("nan")])
+    clamped = [65504.0, -65504.0, 65504.0, -65504.0, 65504.0, 65504.0]
+    for dtype in (torch.float32, torch.bfloat16):
+        header, payload = encode_tensor(x.to(dtype), "fp16")
+        sent = torch.frombuffer(bytearray(payload), dtype=torch.float16).float()
+        assert sent[:6].tolist() == clamped
+        assert math.isnan(sent[6].item())
+        y = decode_tensor(header, payload)
+        # bf16 has no 65504: decoding back to bf16 rounds it to 65536, still finite.
+        assert torch.equal(y[:6], torch.tensor(clamped).to(dtype))
+        assert math.isnan(y[6].item())
+    half = torch.tensor([float("inf"), 1.0], dtype=torch.float16)
+    assert _roundtrip(half, "fp16").tolist() == [65504.0, 1.0]
+    assert half[0].item() == float("inf")  # the caller's tensor is left alone
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS_BY_NAME))
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_encoding_leaves_the_input_alone(codec: str, dtype: torch.dtype) -> None:
+    x = torch.randn(3, 300, generator=_gen(7)).to(dtype).requires_grad_()
+    before = x.detach().clone()
+    encode_tensor(x, codec)
+    assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS_BY_NAME))
+def test_decoded_tensor_owns_writable_memory(codec: str) -> None:
+    header, payload = encode_tensor(torch.arange(6.0).view(2, 3), codec)
+    y = decode_tensor(header, memoryview(payload))
+    first = y.clone()
+    y.add_(1)  # would warn, raise or corrupt `payload` if the result viewed the bytes
+    assert torch.equal(decode_tensor(header, payload), first)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=str)
+def test_lossy_codecs_refuse_integer_tensors(codec: str, dtype: torch.dtype) -> None:
+    with pytest.raises(CodecError, match=f"cannot encode {str(dtype)[6:]}"):
+        encode_tensor(torch.arange(5, dtype=dtype), codec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.uint8, torch.bool], ids=str)
+def test_dtypes_the_wire_cannot_carry_are_refused(dtype: torch.dtype) -> None:
+    with pytest.raises(CodecError):
+        encode_tensor(torch.zeros(3, dtype=dtype), "lossless")
+
+
+def test_int8_refuses_a_block_size_below_one() -> None:
+    with pytest.raises(CodecError, match="block_size must be >= 1"):
+        encode_tensor(torch.ones(3), "int8", block_size=0)
+
+
+def test_codec_decode_checks_the_payload_length() -> None:
+    codec = get_codec("int8")
+    header, payload = codec.encode(torch.ones(10), block_size=4)
+    assert header.crc32 == 0  # integrity is the wire's job
+    assert torch.equal(codec.decode(header, payload), torch.ones(10))
+    with pytest.raises(CodecError, match="tensor payload is 21 bytes but shape"):
+        codec.decode(header, payload[:-1])
+
+
+def test_every_codec_enum_value_has_exactly_one_codec() -> None:
+    values = {v for v in tensor_pb2.Codec.values() if v != tensor_pb2.CODEC_UNSPECIFIED}
+    assert set(CODECS) == values
+    for value, codec in CODECS.items():
+        assert isinstance(codec, TensorCodec)
+        assert codec.codec_id == value
+        assert get_codec(value) is codec
+        assert get_codec(codec.name) is codec
+
+
+def test_codec_names_match_the_config() -> None:
+    assert set(CODECS_BY_NAME) == set(config.CODEC_NAMES)
+    for name in config.CODEC_NAMES:
+        assert get_codec(name).codec_id == config.codec_enum(name)
+
+
+def test_registry_check_rejects_gaps_and_duplicates() -> None:
+    complete = tuple(CODECS.values())
+    registry._check(complete)
+    with pytest.raises(ImportError, match="no codec for CODEC_BLOCKWISE_INT8"):
+        registry._check(complete[:-1])
+    with pytest.raises(ImportError, match="two codecs for CODEC_LOSSLESS"):
+        registry._check((*complete, LosslessCodec()))
+
+    class Orphan(BlockwiseInt8Codec):
+        codec_id = tensor_pb2.CODEC_UNSPECIFIED
+        name = "orphan"
+
+    with pytest.raises(ImportError, match="'orphan' has no enum value"):
+        registry._check((*complete, Orphan()))
+
+
+@pytest.mark.parametrize("bad", [0, 99, -1, "int4", "CODEC_FP16", ""])
+def test_unknown_codecs_are_codec_errors(bad: int | str) -> None:
+    with pytest.raises(CodecError, match="unknown codec"):
+        get_codec(bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", sorted(CODECS_BY_NAME))
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_cuda_matches_cpu(codec: str, dtype: torch.dtype) -> None:
+    x = (torch.randn(5, 1000, generator=_gen(8)) * 50).to(dtype)
+    cpu_header, cpu_payload = encode_tensor(x, codec)
+    gpu_header, gpu_payload = encode_tensor(x.cuda().t().contiguous().t(), codec)
+    for field in ("dtype", "shape", "codec", "payload_bytes", "block_size"):
+        assert getattr(gpu_header, field) == getattr(cpu_header, field)
+    y_gpu = decode_tensor(gpu_header, gpu_payload, device="cuda")
+    assert y_gpu.is_cuda
+    y_cpu = decode_tensor(cpu_header, cpu_payload)
+    # Bit-identical payloads are not promised (GPU rounding may differ by an ulp in the
+    # scale), but both sides must meet the same bound.
+    assert torch.allclose(y_gpu.cpu().float(), y_cpu.float(), rtol=1e-2, atol=1e-2 * 50 / 127)
