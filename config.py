@@ -18,7 +18,21 @@ from typing import Any
 
 from swarmpipe.errors import ConfigError
 
-CODEC_NAMES = ("lossless", "fp16", "bf16", "int8")
+# Config names of the codecs and the schema enum each maps to (see protos/tensor.proto).
+_CODEC_ENUMS = {
+    "lossless": "CODEC_LOSSLESS",
+    "fp16": "CODEC_FP16",
+    "bf16": "CODEC_BF16",
+    "int8": "CODEC_BLOCKWISE_INT8",
+}
+CODEC_NAMES = tuple(_CODEC_ENUMS)
+
+
+def codec_enum(name: str) -> int:
+    """The tensor_pb2.Codec value of a codec's config name."""
+    from swarmpipe.protos import tensor_pb2
+
+    return tensor_pb2.Codec.Value(_CODEC_ENUMS[name])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

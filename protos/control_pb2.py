@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarmpipe.protos import tensor_pb2 as swarmpipe_dot_protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eswarmpipe/protos/control.proto\x12\x0cswarmpipe.v1\x1a\x1dswarmpipe/protos/tensor.proto\"^\n\x08Presence\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\";\n\x07Replica\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"C\n\tStagePlan\x12\r\n\x05stage\x18\x01 \x01(\r\x12\'\n\x08replicas\x18\x02 \x03(\x0b\x32\x15.swarmpipe.v1.Replica\"\xb0\x01\n\x04Plan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\'\n\x06stages\x18\x03 \x03(\x0b\x32\x17.swarmpipe.v1.StagePlan\x12-\n\x10\x61\x63tivation_codec\x18\x04 \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12+\n\x0egradient_codec\x18\x05 \x01(\x0e\x32\x13.swarmpipe.v1.Codec\"\xc0\x01\n\tStepState\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\x05phase\x18\x02 \x01(\x0e\x32\x1d.swarmpipe.v1.StepState.Phase\x12\x0f\n\x07samples\x18\x03 \x01(\x04\"f\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_WAITING\x10\x01\x12\x12\n\x0ePHASE_TRAINING\x10\x02\x12\x0f\n\x0bPHASE_APPLY\x10\x03\x12\x0e\n\nPHASE_DONE\x10\x04\"r\n\x0bLinkCounter\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\tdirection\x18\x02 \x01(\t\x12\"\n\x05\x63odec\x18\x03 \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07tensors\x18\x05 \x01(\x04\"\xa8\x01\n\tTelemetry\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x1a\n\x12samples_per_second\x18\x04 \x01(\x01\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12(\n\x05links\x18\x06 \x03(\x0b\x32\x19.swarmpipe.v1.LinkCounter\x12\x11\n\ttimestamp\x18\x07 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eswarmpipe/protos/control.proto\x12\x0cswarmpipe.v1\x1a\x1dswarmpipe/protos/tensor.proto\"^\n\x08Presence\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\";\n\x07Replica\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"C\n\tStagePlan\x12\r\n\x05stage\x18\x01 \x01(\r\x12\'\n\x08replicas\x18\x02 \x03(\x0b\x32\x15.swarmpipe.v1.Replica\"\xc1\x01\n\x04Plan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\'\n\x06stages\x18\x03 \x03(\x0b\x32\x17.swarmpipe.v1.StagePlan\x12-\n\x10\x61\x63tivation_codec\x18\x04 \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12+\n\x0egradient_codec\x18\x05 \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\x0f\n\x07\x64rained\x18\x06 \x03(\t\"\xc0\x01\n\tStepState\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\x05phase\x18\x02 \x01(\x0e\x32\x1d.swarmpipe.v1.StepState.Phase\x12\x0f\n\x07samples\x18\x03 \x01(\x04\"f\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_WAITING\x10\x01\x12\x12\n\x0ePHASE_TRAINING\x10\x02\x12\x0f\n\x0bPHASE_APPLY\x10\x03\x12\x0e\n\nPHASE_DONE\x10\x04\"r\n\x0bLinkCounter\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\tdirection\x18\x02 \x01(\t\x12\"\n\x05\x63odec\x18\x03 \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07tensors\x18\x05 \x01(\x04\"\xa8\x01\n\tTelemetry\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x1a\n\x12samples_per_second\x18\x04 \x01(\x01\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12(\n\x05links\x18\x06 \x03(\x0b\x32\x19.swarmpipe.v1.LinkCounter\x12\x11\n\ttimestamp\x18\x07 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,13 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEPLAN']._serialized_start=236
   _globals['_STAGEPLAN']._serialized_end=303
   _globals['_PLAN']._serialized_start=306
-  _globals['_PLAN']._serialized_end=482
-  _globals['_STEPSTATE']._serialized_start=485
-  _globals['_STEPSTATE']._serialized_end=677
-  _globals['_STEPSTATE_PHASE']._serialized_start=575
-  _globals['_STEPSTATE_PHASE']._serialized_end=677
-  _globals['_LINKCOUNTER']._serialized_start=679
-  _globals['_LINKCOUNTER']._serialized_end=793
-  _globals['_TELEMETRY']._serialized_start=796
-  _globals['_TELEMETRY']._serialized_end=964
+  _globals['_PLAN']._serialized_end=499
+  _globals['_STEPSTATE']._serialized_start=502
+  _globals['_STEPSTATE']._serialized_end=694
+  _globals['_STEPSTATE_PHASE']._serialized_start=592
+  _globals['_STEPSTATE_PHASE']._serialized_end=694
+  _globals['_LINKCOUNTER']._serialized_start=696
+  _globals['_LINKCOUNTER']._serialized_end=810
+  _globals['_TELEMETRY']._serialized_start=813
+  _globals['_TELEMETRY']._serialized_end=981
 # @@protoc_insertion_point(module_scope)

@@ -115,12 +115,17 @@ class Plan(_message.Message):
     STAGES_FIELD_NUMBER: _builtins.int
     ACTIVATION_CODEC_FIELD_NUMBER: _builtins.int
     GRADIENT_CODEC_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     num_stages: _builtins.int
     activation_codec: _tensor_pb2.Codec.ValueType
     gradient_codec: _tensor_pb2.Codec.ValueType
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagePlan]: ...
+    @_builtins.property
+    def drained(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """nodes the organiser drained: they must exit"""
+
     def __init__(
         self,
         *,
@@ -129,10 +134,11 @@ class Plan(_message.Message):
         stages: _abc.Iterable[Global___StagePlan] | None = ...,
         activation_codec: _tensor_pb2.Codec.ValueType = ...,
         gradient_codec: _tensor_pb2.Codec.ValueType = ...,
+        drained: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_codec", b"activation_codec", "gradient_codec", b"gradient_codec", "num_stages", b"num_stages", "stages", b"stages", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_codec", b"activation_codec", "drained", b"drained", "gradient_codec", b"gradient_codec", "num_stages", b"num_stages", "stages", b"stages", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

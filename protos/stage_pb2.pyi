@@ -33,6 +33,7 @@ class MicrobatchHeader(_message.Message):
     CONTEXT_FIELD_NUMBER: _builtins.int
     GRADIENT_CODEC_FIELD_NUMBER: _builtins.int
     HOP_FIELD_NUMBER: _builtins.int
+    SENDER_NODE_FIELD_NUMBER: _builtins.int
     microbatch_id: _builtins.str
     """unique per attempt chain; reused on resend"""
     step: _builtins.int
@@ -47,7 +48,9 @@ class MicrobatchHeader(_message.Message):
     gradient_codec: _tensor_pb2.Codec.ValueType
     """how the receiver must encode the gradient it returns"""
     hop: _builtins.int
-    """1 for the first hop after the head"""
+    """the stage this message is for (1 for the first hop)"""
+    sender_node: _builtins.str
+    """the node that sent this hop"""
     def __init__(
         self,
         *,
@@ -61,10 +64,11 @@ class MicrobatchHeader(_message.Message):
         context: _builtins.int = ...,
         gradient_codec: _tensor_pb2.Codec.ValueType = ...,
         hop: _builtins.int = ...,
+        sender_node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gradient_codec", b"gradient_codec", "hop", b"hop", "labels", b"labels", "lease_id", b"lease_id", "microbatch_id", b"microbatch_id", "origin_node", b"origin_node", "sample_count", b"sample_count", "sample_start", b"sample_start", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "gradient_codec", b"gradient_codec", "hop", b"hop", "labels", b"labels", "lease_id", b"lease_id", "microbatch_id", b"microbatch_id", "origin_node", b"origin_node", "sample_count", b"sample_count", "sample_start", b"sample_start", "sender_node", b"sender_node", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -72,8 +76,9 @@ Global___MicrobatchHeader: _TypeAlias = MicrobatchHeader  # noqa: Y015
 
 @_typing.final
 class ForwardMessage(_message.Message):
-    """Sender -> receiver on Stage.Forward: a header, the activation tensor's
-    header, then its chunks, then end_of_tensor.
+    """Sender -> receiver on Stage.Forward: the microbatch header, the activation
+    tensor's header, then exactly header.payload_bytes of chunks; the sender
+    then half-closes.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -1,0 +1,64 @@
+"""The MQTT broker the coordinator embeds by default, so a testnet needs nothing installed.
+
+amqtt runs in-process on the coordinator's event loop. It is fine for a local
+swarm and small runs; a large or long-lived swarm should use mosquitto or EMQX
+through `--broker mqtt://host:port`, which the project tests as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from amqtt.broker import Broker
+
+from swarmpipe.errors import SwarmpipeError
+from swarmpipe.mqtt_bus import BrokerAddress
+
+logger = logging.getLogger(__name__)
+
+# amqtt's default plugin set also publishes $SYS statistics and logs every
+# packet; the coordinator wants neither. Anonymous access on loopback only.
+_PLUGINS: dict[str, Any] = {
+    "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+}
+
+
+class EmbeddedBroker:
+    """An amqtt broker bound to host:port (port 0 picks a free one)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._host = host
+        self._port = port
+        self._broker: Broker | None = None
+        self.address: BrokerAddress | None = None
+
+    async def start(self) -> BrokerAddress:
+        config = {
+            "listeners": {"default": {"type": "tcp", "bind": f"{self._host}:{self._port}"}},
+            "plugins": _PLUGINS,
+        }
+        # amqtt logs each connection at INFO; keep the coordinator's log readable.
+        logging.getLogger("amqtt").setLevel(logging.WARNING)
+        logging.getLogger("transitions").setLevel(logging.WARNING)
+        broker = Broker(config)
+        try:
+            await broker.start()
+        except Exception as exc:
+            raise SwarmpipeError(
+                f"cannot start the embedded MQTT broker on {self._host}:{self._port}: {exc}"
+            ) from exc
+        self._broker = broker
+        port = self._port
+        if port == 0:
+            # amqtt exposes no public accessor for the bound port.
+            server = broker._servers["default"].instance
+            port = int(server.sockets[0].getsockname()[1])
+        self.address = BrokerAddress(host=self._host, port=port)
+        logger.info("embedded MQTT broker listening on %s", self.address.url)
+        return self.address
+
+    async def stop(self) -> None:
+        if self._broker is not None:
+            await self._broker.shutdown()
+            self._broker = None

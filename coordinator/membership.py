@@ -1,0 +1,80 @@
+"""Who is in the swarm, which stage each node serves, and the plan built from that."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from swarmpipe.protos import control_pb2
+
+# A node that joined but has not announced itself on MQTT yet still holds its
+# stage for this long, so two nodes joining together do not take the same one.
+JOIN_GRACE_S = 30.0
+
+
+@dataclass(slots=True)
+class Member:
+    node_id: str
+    address: str
+    stage: int
+    joined_at: float
+    online: bool = False
+    drained: bool = False
+    telemetry: control_pb2.Telemetry | None = None
+
+
+@dataclass(slots=True)
+class Membership:
+    """The coordinator's view of the nodes, and the plan it publishes."""
+
+    num_stages: int
+    activation_codec: int
+    gradient_codec: int
+    members: dict[str, Member] = field(default_factory=dict)
+    plan_version: int = 0
+
+    def _holds_stage(self, m: Member, now: float) -> bool:
+        if m.drained:
+            return False
+        return m.online or now - m.joined_at < JOIN_GRACE_S
+
+    def assign(self, node_id: str, address: str) -> Member:
+        """Place a joining node on the stage with the fewest replicas (lowest index on ties)."""
+        now = time.monotonic()
+        previous = self.members.get(node_id)
+        counts = [0] * self.num_stages
+        for m in self.members.values():
+            if m.node_id != node_id and self._holds_stage(m, now):
+                counts[m.stage] += 1
+        stage = min(range(self.num_stages), key=lambda s: (counts[s], s))
+        if previous is not None and not previous.drained and counts[previous.stage] == counts[stage]:
+            stage = previous.stage  # a restarted node keeps its stage when that costs nothing
+        member = Member(node_id=node_id, address=address, stage=stage, joined_at=now)
+        self.members[node_id] = member
+        return member
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members.values() if m.online and not m.drained]
+
+    def covered(self) -> bool:
+        """Every stage has at least one live replica."""
+        return {m.stage for m in self.live()} == set(range(self.num_stages))
+
+    def plan(self) -> control_pb2.Plan:
+        self.plan_version += 1
+        stages = []
+        for s in range(self.num_stages):
+            replicas = [
+                control_pb2.Replica(node_id=m.node_id, address=m.address, weight=1.0)
+                for m in sorted(self.live(), key=lambda m: m.node_id)
+                if m.stage == s
+            ]
+            stages.append(control_pb2.StagePlan(stage=s, replicas=replicas))
+        return control_pb2.Plan(
+            version=self.plan_version,
+            num_stages=self.num_stages,
+            stages=stages,
+            activation_codec=self.activation_codec,  # type: ignore[arg-type]
+            gradient_codec=self.gradient_codec,  # type: ignore[arg-type]
+            drained=sorted(m.node_id for m in self.members.values() if m.drained),
+        )

@@ -1,0 +1,342 @@
+"""The coordinator: its gRPC API (join, lease, commit, status, drain) and its MQTT watch.
+
+All state lives on one asyncio loop, so handlers need no locks. Domain errors
+become `context.abort(StatusCode..., message)` here, at the boundary only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiomqtt
+import grpc
+
+from swarmpipe import __version__
+from swarmpipe.config import RunConfig, codec_enum
+from swarmpipe.coordinator.membership import Membership
+from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
+from swarmpipe.mqtt_bus import BrokerAddress, Topics, make_client
+from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_PHASES = {
+    Phase.WAITING: control_pb2.StepState.PHASE_WAITING,
+    Phase.TRAINING: control_pb2.StepState.PHASE_TRAINING,
+    Phase.APPLY: control_pb2.StepState.PHASE_APPLY,
+    Phase.DONE: control_pb2.StepState.PHASE_DONE,
+}
+MAX_LEASE_WAIT_S = 30.0
+MAX_NODE_ID_LEN = 128
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    """Membership, placement, the step protocol and the run's counters."""
+
+    def __init__(self, config: RunConfig, broker: BrokerAddress) -> None:
+        self.config = config
+        self.broker = broker
+        self.topics = Topics(config.run_id)
+        self.membership = Membership(
+            num_stages=config.pipeline.stages,
+            activation_codec=codec_enum(config.pipeline.activation_codec),
+            gradient_codec=codec_enum(config.pipeline.gradient_codec),
+        )
+        self.protocol = StepProtocol(
+            total_steps=config.train.steps,
+            global_batch=config.train.global_batch,
+            microbatch=config.train.microbatch,
+            lease_timeout_s=config.coordinator.lease_timeout_s,
+        )
+        self.started_at = time.monotonic()
+        self._changed = asyncio.Event()
+        self._mqtt: aiomqtt.Client | None = None
+        self._mqtt_ready = asyncio.Event()
+        self.done = asyncio.Event()
+
+    # -- state changes --------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _publish(self, topic: str, payload: bytes) -> None:
+        await self._mqtt_ready.wait()
+        assert self._mqtt is not None
+        await self._mqtt.publish(topic, payload, qos=1, retain=True)
+
+    async def _publish_plan(self) -> None:
+        plan = self.membership.plan()
+        await self._publish(self.topics.plan, plan.SerializeToString())
+
+    async def _publish_step(self) -> None:
+        p = self.protocol
+        state = control_pb2.StepState(
+            step=p.step, phase=_PHASES[p.phase], samples=p.current.samples if p.history else 0
+        )
+        await self._publish(self.topics.step, state.SerializeToString())
+        if p.phase is Phase.DONE:
+            self.done.set()
+
+    async def _after_change(self, before: tuple[Phase, int] | None = None) -> None:
+        """Move the step protocol along after membership or commits changed.
+
+        `before` is the (phase, step) from before the change, when the caller
+        already changed the protocol (a commit can end a step).
+        """
+        p = self.protocol
+        before = before or (p.phase, p.step)
+        if p.phase is Phase.WAITING and self.membership.covered():
+            p.start()
+        elif p.phase is Phase.TRAINING and not self.membership.covered():
+            logger.warning("a stage has no live node; leasing paused until one joins")
+            p.pause()
+        if p.phase is Phase.APPLY:
+            if before[0] is not Phase.APPLY:
+                # The step just ended: every live node must apply it before the next opens.
+                p.await_acks({m.node_id for m in self.membership.live()})
+            p.try_advance()
+        if (p.phase, p.step) != before:
+            logger.info("step %d: %s", p.step, p.phase.value)
+            await self._publish_step()
+        self._notify()
+
+    # -- gRPC API -------------------------------------------------------
+
+    async def Join(
+        self, request: coordinator_pb2.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.JoinReply:
+        if not request.node_id or len(request.node_id) > MAX_NODE_ID_LEN or "/" in request.node_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"node_id must be 1-{MAX_NODE_ID_LEN} characters without '/'",
+            )
+        if not request.address or ":" not in request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
+        if self.protocol.phase is Phase.DONE:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
+        member = self.membership.assign(request.node_id, request.address)
+        logger.info(
+            "node %s (%s, version %s) joined: stage %d",
+            request.node_id,
+            request.address,
+            request.version or "?",
+            member.stage,
+        )
+        return coordinator_pb2.JoinReply(
+            run_id=self.config.run_id,
+            run_config_json=self.config.to_json(),
+            stage=member.stage,
+            broker_url=self.broker.url,
+        )
+
+    async def Lease(
+        self, request: coordinator_pb2.LeaseRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.LeaseReply:
+        member = self.membership.members.get(request.node_id)
+        if member is None or member.stage != 0:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {request.node_id!r} is not a joined stage-0 node; only heads lease samples",
+            )
+        deadline = time.monotonic() + min(max(request.wait_seconds, 0.0), MAX_LEASE_WAIT_S)
+        Reply = coordinator_pb2.LeaseReply
+        while True:
+            if self.protocol.phase is Phase.DONE:
+                return Reply(status=Reply.STATUS_DONE)
+            if member.drained:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node was drained")
+            lease = self.protocol.lease(request.node_id) if member.online else None
+            if lease is not None:
+                return Reply(
+                    status=Reply.STATUS_GRANTED,
+                    lease_id=lease.lease_id,
+                    step=lease.step,
+                    sample_start=lease.sample_start,
+                    sample_count=lease.sample_count,
+                    replay=lease.replay,
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Reply(status=Reply.STATUS_WAIT, step=self.protocol.step)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+
+    async def Commit(
+        self, request: coordinator_pb2.CommitRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.CommitReply:
+        before = (self.protocol.phase, self.protocol.step)
+        reason = self.protocol.commit(
+            request.node_id, request.lease_id, request.loss_sum, request.tokens
+        )
+        if reason is not None:
+            logger.warning("commit from %s refused: %s", request.node_id, reason)
+            return coordinator_pb2.CommitReply(accepted=False, reason=reason)
+        await self._after_change(before)
+        return coordinator_pb2.CommitReply(accepted=True)
+
+    async def Release(
+        self, request: coordinator_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ReleaseReply:
+        if self.protocol.release(request.node_id, request.lease_id):
+            logger.info(
+                "lease %d released by %s: %s", request.lease_id, request.node_id, request.reason
+            )
+            self._notify()
+        return coordinator_pb2.ReleaseReply()
+
+    async def StepDone(
+        self, request: coordinator_pb2.StepDoneRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.StepDoneReply:
+        if self.protocol.ack(request.node_id, request.step):
+            logger.info("step %d applied on every node", request.step)
+            await self._publish_step()
+            self._notify()
+        return coordinator_pb2.StepDoneReply()
+
+    async def Status(
+        self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.StatusReply:
+        return self.status()
+
+    async def Drain(
+        self, request: coordinator_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.DrainReply:
+        member = self.membership.members.get(request.node_id)
+        if member is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id!r}")
+        member.drained = True
+        requeued = self.protocol.node_lost(request.node_id)
+        logger.info("node %s drained; %d samples requeued", request.node_id, requeued)
+        await self._publish_plan()
+        await self._after_change()
+        return coordinator_pb2.DrainReply()
+
+    def status(self) -> coordinator_pb2.StatusReply:
+        p = self.protocol
+        c = p.counters
+        reply = coordinator_pb2.StatusReply(
+            run_id=self.config.run_id,
+            step=p.step,
+            total_steps=p.total_steps,
+            phase=p.phase.value,
+            done=p.phase is Phase.DONE,
+            counters=coordinator_pb2.SampleCounters(
+                leased=c.leased,
+                committed=c.committed,
+                replayed=c.replayed,
+                duplicates=c.duplicates,
+                lost=c.lost,
+                outstanding=p.outstanding_samples,
+            ),
+        )
+        for s in p.history:
+            if s.finished_at is None:
+                continue
+            reply.steps.append(
+                coordinator_pb2.StepRecord(
+                    step=s.step,
+                    loss=s.loss,
+                    samples=s.samples,
+                    seconds=s.seconds,
+                    samples_per_second=s.samples / s.seconds if s.seconds > 0 else 0.0,
+                )
+            )
+        for m in sorted(self.membership.members.values(), key=lambda m: m.node_id):
+            t = m.telemetry
+            reply.nodes.append(
+                coordinator_pb2.NodeRecord(
+                    node_id=m.node_id,
+                    stage=m.stage,
+                    address=m.address,
+                    online=m.online and not m.drained,
+                    samples=t.samples if t else 0,
+                    samples_per_second=t.samples_per_second if t else 0.0,
+                )
+            )
+            for link in t.links if t else ():
+                reply.links.append(
+                    coordinator_pb2.LinkRecord(
+                        src_node=m.node_id,
+                        dst_node=link.peer,
+                        direction=link.direction,
+                        codec=_codec_name(link.codec),
+                        bytes=link.bytes,
+                        tensors=link.tensors,
+                    )
+                )
+        return reply
+
+    # -- MQTT -----------------------------------------------------------
+
+    async def watch_mqtt(self) -> None:
+        """Follow presence and telemetry; reconnect when the broker connection drops."""
+        backoff = 0.05
+        while True:
+            try:
+                async with make_client(self.broker, f"coordinator-{self.config.run_id}") as client:
+                    self._mqtt = client
+                    await client.subscribe(self.topics.presence(), qos=1)
+                    await client.subscribe(self.topics.telemetry(), qos=0)
+                    self._mqtt_ready.set()
+                    backoff = 0.05
+                    await self._publish_plan()
+                    await self._publish_step()
+                    async for message in client.messages:
+                        await self._on_message(str(message.topic), message.payload)
+            except aiomqtt.MqttError as exc:
+                self._mqtt_ready.clear()
+                logger.warning("MQTT connection to %s lost (%s); reconnecting", self.broker.url, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _on_message(self, topic: str, payload: object) -> None:
+        kind = self.topics.kind_of(topic)
+        if kind is None or not isinstance(payload, bytes | bytearray):
+            return
+        what, node_id = kind
+        member = self.membership.members.get(node_id)
+        try:
+            if what == "presence":
+                presence = control_pb2.Presence.FromString(bytes(payload))
+                await self._on_presence(node_id, presence)
+            elif what == "telemetry" and member is not None:
+                member.telemetry = control_pb2.Telemetry.FromString(bytes(payload))
+        except Exception as exc:  # a hostile or broken payload must not stop the watch
+            logger.warning("ignoring malformed %s message from %s: %s", what, node_id, exc)
+
+    async def _on_presence(self, node_id: str, presence: control_pb2.Presence) -> None:
+        member = self.membership.members.get(node_id)
+        if member is None:
+            return  # a retained presence from an earlier coordinator's run
+        if presence.online and presence.stage != member.stage:
+            return  # a stale retained message from an earlier life of this node
+        if presence.online == member.online:
+            return
+        member.online = presence.online
+        if presence.online:
+            logger.info("node %s online (stage %d)", node_id, member.stage)
+        else:
+            requeued = self.protocol.node_lost(node_id)
+            logger.warning(
+                "node %s offline (stage %d); %d samples requeued", node_id, member.stage, requeued
+            )
+        await self._publish_plan()
+        await self._after_change()
+
+
+def _codec_name(codec: int) -> str:
+    from swarmpipe.protos import tensor_pb2
+
+    name = tensor_pb2.Codec.Name(codec) if codec in tensor_pb2.Codec.values() else "unknown"
+    return name.removeprefix("CODEC_").lower()
+
+
+async def call_periodically(interval: float, fn: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await fn()

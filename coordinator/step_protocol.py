@@ -1,0 +1,238 @@
+"""Data leases and the step protocol: which samples go where, and when a step ends.
+
+Step s trains on the global sample indices [s*G, (s+1)*G) (G = global batch),
+cut into microbatch-sized leases. Heads lease, push the microbatch through the
+pipeline and commit. When every lease of the step is committed the step enters
+APPLY: every node steps its optimizer and acknowledges, and only then does step
+s+1 open, so no microbatch ever meets half-updated parameters.
+
+Guarantee: every leased sample is committed or leased again. A lease returns
+to the queue (and is counted as replayed) when its head releases it, when the
+head goes offline, or when it outlives the lease timeout. This class is pure
+bookkeeping with no I/O so it can be tested and simulated on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # not every stage has a live node
+    TRAINING = "training"
+    APPLY = "apply"
+    DONE = "done"
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    node_id: str
+    step: int
+    sample_start: int
+    sample_count: int
+    replay: bool
+    granted_at: float
+
+
+@dataclass(slots=True)
+class Counters:
+    """Sample counters of the whole run."""
+
+    leased: int = 0
+    committed: int = 0
+    replayed: int = 0
+    duplicates: int = 0
+    lost: int = 0
+
+
+@dataclass(slots=True)
+class StepStats:
+    step: int
+    started_at: float
+    samples: int = 0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    finished_at: float | None = None
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.tokens if self.tokens else float("nan")
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished_at or time.monotonic()) - self.started_at
+
+
+@dataclass(slots=True)
+class _Range:
+    start: int
+    count: int
+    replay: bool = False
+
+
+@dataclass(slots=True)
+class StepProtocol:
+    """Bookkeeping of leases, commits and step acknowledgements."""
+
+    total_steps: int
+    global_batch: int
+    microbatch: int
+    lease_timeout_s: float
+    clock: Callable[[], float] = time.monotonic
+    phase: Phase = Phase.WAITING
+    step: int = 0
+    counters: Counters = field(default_factory=Counters)
+    history: list[StepStats] = field(default_factory=list)
+    _pending: deque[_Range] = field(default_factory=deque)
+    _outstanding: dict[int, Lease] = field(default_factory=dict)
+    _retired: dict[int, Lease] = field(default_factory=dict)
+    _next_lease_id: int = 1
+    _awaiting_ack: set[str] = field(default_factory=set)
+    _opened: bool = False
+
+    # -- step lifecycle -------------------------------------------------
+
+    def start(self) -> None:
+        """Open step 0 (or resume the current step) once every stage has a node."""
+        if self.phase is not Phase.WAITING:
+            return
+        if not self._opened:
+            self._open_step(self.step)
+        self.phase = Phase.TRAINING
+
+    def pause(self) -> None:
+        """A stage has no live node: stop leasing until it has one again."""
+        if self.phase is Phase.TRAINING:
+            self.phase = Phase.WAITING
+
+    def _open_step(self, step: int) -> None:
+        self.step = step
+        self._opened = True
+        base = step * self.global_batch
+        for offset in range(0, self.global_batch, self.microbatch):
+            count = min(self.microbatch, self.global_batch - offset)
+            self._pending.append(_Range(base + offset, count))
+        self.history.append(StepStats(step=step, started_at=self.clock()))
+
+    @property
+    def current(self) -> StepStats:
+        return self.history[-1]
+
+    # -- leases ---------------------------------------------------------
+
+    def lease(self, node_id: str) -> Lease | None:
+        """Grant the next range of the current step, or None if there is none now."""
+        self.expire()
+        if self.phase is not Phase.TRAINING or not self._pending:
+            return None
+        rng = self._pending.popleft()
+        lease = Lease(
+            lease_id=self._next_lease_id,
+            node_id=node_id,
+            step=self.step,
+            sample_start=rng.start,
+            sample_count=rng.count,
+            replay=rng.replay,
+            granted_at=self.clock(),
+        )
+        self._next_lease_id += 1
+        self._outstanding[lease.lease_id] = lease
+        self.counters.leased += lease.sample_count
+        if rng.replay:
+            self.counters.replayed += lease.sample_count
+        return lease
+
+    def commit(self, node_id: str, lease_id: int, loss_sum: float, tokens: int) -> str | None:
+        """Record a finished microbatch. Returns None if accepted, else why not."""
+        lease = self._outstanding.get(lease_id)
+        if lease is None:
+            if lease_id in self._retired:
+                # The samples were leased again after this lease expired or was
+                # released; its gradient is already in the accumulators.
+                self.counters.duplicates += self._retired[lease_id].sample_count
+                return f"lease {lease_id} was already re-leased; counted as a duplicate"
+            return f"lease {lease_id} is unknown"
+        if lease.node_id != node_id:
+            return f"lease {lease_id} belongs to {lease.node_id}, not {node_id}"
+        del self._outstanding[lease_id]
+        self.counters.committed += lease.sample_count
+        stats = self.current
+        stats.samples += lease.sample_count
+        stats.loss_sum += loss_sum
+        stats.tokens += tokens
+        if not self._pending and not self._outstanding:
+            stats.finished_at = self.clock()
+            self.phase = Phase.APPLY
+        return None
+
+    def _requeue(self, lease: Lease) -> None:
+        del self._outstanding[lease.lease_id]
+        self._retired[lease.lease_id] = lease
+        # Replays go to the front so a step's stragglers finish first.
+        self._pending.appendleft(_Range(lease.sample_start, lease.sample_count, replay=True))
+
+    def release(self, node_id: str, lease_id: int) -> bool:
+        """The head gives a lease back (it could not finish it)."""
+        lease = self._outstanding.get(lease_id)
+        if lease is None or lease.node_id != node_id:
+            return False
+        self._requeue(lease)
+        return True
+
+    def node_lost(self, node_id: str) -> int:
+        """Requeue every lease a vanished node held; returns the samples requeued."""
+        lost = [lease for lease in self._outstanding.values() if lease.node_id == node_id]
+        for lease in lost:
+            self._requeue(lease)
+        self._awaiting_ack.discard(node_id)
+        return sum(lease.sample_count for lease in lost)
+
+    def expire(self) -> int:
+        now = self.clock()
+        stale = [
+            lease
+            for lease in self._outstanding.values()
+            if now - lease.granted_at > self.lease_timeout_s
+        ]
+        for lease in stale:
+            self._requeue(lease)
+        return len(stale)
+
+    @property
+    def outstanding_samples(self) -> int:
+        return sum(lease.sample_count for lease in self._outstanding.values())
+
+    # -- optimizer step acknowledgements ---------------------------------
+
+    def await_acks(self, node_ids: set[str]) -> None:
+        """Enter APPLY bookkeeping: these nodes must apply the step before the next opens."""
+        self._awaiting_ack = set(node_ids)
+
+    def ack(self, node_id: str, step: int) -> bool:
+        """A node applied `step`. Returns True when the step is complete everywhere."""
+        if self.phase is not Phase.APPLY or step != self.step:
+            return False
+        self._awaiting_ack.discard(node_id)
+        return self.try_advance()
+
+    def try_advance(self) -> bool:
+        """Open the next step (or finish) once no node still owes an acknowledgement."""
+        if self.phase is not Phase.APPLY or self._awaiting_ack:
+            return False
+        done = self.current
+        self.counters.lost += self.global_batch - done.samples
+        if self.step + 1 >= self.total_steps:
+            self.phase = Phase.DONE
+        else:
+            self._open_step(self.step + 1)
+            self.phase = Phase.TRAINING
+        return True
+
+    @property
+    def awaiting(self) -> frozenset[str]:
+        return frozenset(self._awaiting_ack)

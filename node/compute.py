@@ -1,0 +1,76 @@
+"""The compute worker: one thread that runs every forward and backward, never the event loop.
+
+gRPC and MQTT I/O stay responsive on the asyncio loop while torch works here.
+Jobs are served by priority, backward before forward: a backward frees the
+activations a forward saved, so preferring it bounds memory (the 1F1B idea).
+One thread keeps the stage's parameters and autograd graphs single-threaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+BACKWARD = 0
+FORWARD = 1
+_STOP = -1
+
+
+class ComputeWorker:
+    """Runs submitted callables on one thread, by priority then arrival order."""
+
+    def __init__(self, name: str = "compute") -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self.busy_seconds = 0.0
+
+    def _run(self) -> None:
+        import time
+
+        while True:
+            priority, _, job = self._queue.get()
+            if priority == _STOP:
+                return
+            fn, future, loop = job
+            start = time.perf_counter()
+            try:
+                result = fn()
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+            finally:
+                self.busy_seconds += time.perf_counter() - start
+
+    async def run(self, priority: int, fn: Callable[[], T]) -> T:
+        """Run fn on the compute thread and await its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((priority, next(self._order), (fn, future, loop)))
+        return await future
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def close(self) -> None:
+        self._queue.put((_STOP, next(self._order), None))
+        self._thread.join(timeout=10)
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.cancelled():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.cancelled():
+        future.set_exception(exc)

@@ -1,0 +1,342 @@
+"""The node daemon: join, build the stage, serve it, train, and leave cleanly.
+
+Lifecycle: bind the Stage server (port 0 is fine), join the coordinator over
+gRPC (which returns the run spec and this node's stage), build the stage,
+announce presence on MQTT with a Last Will, then serve, lead (stage 0) and
+apply optimizer steps as the coordinator announces them, until the run is
+done, the node is drained, or it gets SIGTERM/SIGINT (drain in-flight work,
+then exit 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import aiomqtt
+import grpc
+import torch
+
+from swarmpipe import __version__
+from swarmpipe.config import RunConfig, codec_enum
+from swarmpipe.errors import CoordinatorUnavailable
+from swarmpipe.logs import set_log_identity
+from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
+from swarmpipe.node.compute import BACKWARD, ComputeWorker
+from swarmpipe.node.head import Head
+from swarmpipe.node.router import Router
+from swarmpipe.node.server import StageServicer
+from swarmpipe.node.stage_runtime import StageRuntime
+from swarmpipe.node.transport import LinkStats
+from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from swarmpipe.ready import write_ready_file
+from swarmpipe.rpc import bind, create_server, enable_health_and_reflection, open_channel
+
+logger = logging.getLogger(__name__)
+
+TELEMETRY_INTERVAL_S = 1.0
+DRAIN_TIMEOUT_S = 30.0
+COORDINATOR_RETRY_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeOptions:
+    """How one node daemon runs (the run itself is defined by the coordinator)."""
+
+    coordinator: str
+    """host:port of the coordinator's gRPC API."""
+    node_id: str
+    listen: str = "0.0.0.0:0"
+    """host:port of this node's Stage server; port 0 picks a free one."""
+    advertise_host: str = ""
+    """Host peers use to reach this node; empty: the address that routes to the coordinator."""
+    broker: str = ""
+    """mqtt://host:port overriding the broker the coordinator names."""
+    join_timeout_s: float = 30.0
+    """Give up (exit code 3) when the coordinator does not answer for this long."""
+    ready_file: str = ""
+
+
+def _route_host(target_host: str) -> str:
+    """The local address this machine uses to reach target_host (no packet is sent)."""
+    if target_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((target_host, 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class NodeDaemon:
+    def __init__(self, options: NodeOptions) -> None:
+        self.options = options
+        self.node_id = options.node_id
+        self.stage = -1
+        self.config: RunConfig | None = None
+        self.runtime: StageRuntime | None = None
+        self.compute = ComputeWorker()
+        self.stats = LinkStats()
+        self.router = Router(self.node_id, self.stats)
+        self.activation_codec = 0
+        self.gradient_codec = 0
+        self.in_flight = 0
+        self.samples_processed = 0
+        self.microbatch_seconds: deque[float] = deque(maxlen=64)
+        self.started_at = time.monotonic()
+        self._channel = open_channel(options.coordinator)
+        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._stop = asyncio.Event()
+        self._exit_reason = ""
+        self._mqtt: aiomqtt.Client | None = None
+        self._topics: Topics | None = None
+        self._head: Head | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- coordinator calls ----------------------------------------------
+
+    async def call_coordinator(self, method: str, request: Any, *, timeout: float = 10.0) -> Any:
+        """Call a coordinator RPC, retrying while it is unreachable (it may be restarting)."""
+        deadline = time.monotonic() + COORDINATOR_RETRY_S
+        delay = 0.1
+        while True:
+            try:
+                return await getattr(self.coordinator, method)(request, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() > deadline:
+                    raise CoordinatorUnavailable(
+                        f"the coordinator at {self.options.coordinator} stopped answering "
+                        f"({exc.code().name})"
+                    ) from exc
+                logger.debug("%s failed (%s); retrying", method, exc.code().name)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _join(self, address: str) -> coordinator_pb2.JoinReply:
+        request = coordinator_pb2.JoinRequest(
+            node_id=self.node_id, address=address, version=__version__
+        )
+        deadline = time.monotonic() + self.options.join_timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                reply: coordinator_pb2.JoinReply = await self.coordinator.Join(
+                    request, timeout=max(0.5, min(5.0, deadline - time.monotonic())),
+                    wait_for_ready=True,
+                )
+                return reply
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise CoordinatorUnavailable(
+                        f"the coordinator at {self.options.coordinator} refused to let this node "
+                        f"join: {exc.details()}"
+                    ) from exc
+                last = exc.code().name
+                await asyncio.sleep(0.2)
+        raise CoordinatorUnavailable(
+            f"cannot reach the coordinator at {self.options.coordinator} within "
+            f"{self.options.join_timeout_s:.0f} s ({last or 'no answer'}); is it running, "
+            "and is the address right?"
+        )
+
+    # -- lifecycle ------------------------------------------------------
+
+    async def run(self) -> str:
+        """Run until done, drained or stopped; returns why it stopped."""
+        server = create_server()
+        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(self), server)
+        await enable_health_and_reflection(
+            server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name]
+        )
+        port = bind(server, self.options.listen)
+        await server.start()
+        try:
+            coord_host = self.options.coordinator.rpartition(":")[0].strip("[]")
+            host = self.options.advertise_host or self.options.listen.rpartition(":")[0]
+            if host in ("", "0.0.0.0", "::", "[::]"):
+                host = _route_host(coord_host)
+            reply = await self._join(f"{host}:{port}")
+            self.config = RunConfig.from_json(reply.run_config_json)
+            self.stage = reply.stage
+            set_log_identity(f"node {self.node_id} stage {self.stage}")
+            self.activation_codec = codec_enum(self.config.pipeline.activation_codec)
+            self.gradient_codec = codec_enum(self.config.pipeline.gradient_codec)
+            config, stage = self.config, self.stage
+            self.runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
+            n_params = sum(p.numel() for p in self.runtime.module.parameters())
+            logger.info(
+                "joined run %r as stage %d of %d (%d parameters), serving on %s:%d",
+                reply.run_id, stage, config.pipeline.stages, n_params, host, port,
+            )
+            if stage == 0:
+                from swarmpipe.data import Corpus
+
+                corpus = await asyncio.to_thread(
+                    Corpus.load, config.data, config.model.context, config.train.seed
+                )
+                self._head = Head(self, corpus)
+            broker_url = self.options.broker or reply.broker_url
+            broker = parse_broker_url(broker_url)
+            if broker.host in ("127.0.0.1", "0.0.0.0", "localhost") and coord_host not in (
+                "127.0.0.1", "localhost", "::1"
+            ):
+                # The coordinator's embedded broker listens beside it; reach it
+                # at the coordinator's host rather than our own loopback.
+                broker = parse_broker_url(f"mqtt://{coord_host}:{broker.port}")
+            if self.options.ready_file:
+                write_ready_file(
+                    self.options.ready_file,
+                    {"grpc_port": port, "node_id": self.node_id, "stage": stage, "pid": os.getpid()},
+                )
+            self._topics = Topics(reply.run_id)
+            will = aiomqtt.Will(
+                self._topics.presence(self.node_id),
+                self._presence(online=False).SerializeToString(),
+                qos=1,
+                retain=True,
+            )
+            async with make_client(broker, f"node-{self.node_id}", will=will) as client:
+                self._mqtt = client
+                await client.subscribe(self._topics.plan, qos=1)
+                await client.subscribe(self._topics.step, qos=1)
+                await client.publish(
+                    self._topics.presence(self.node_id),
+                    self._presence(online=True).SerializeToString(),
+                    qos=1,
+                    retain=True,
+                )
+                self._spawn(self._read_mqtt(client))
+                self._spawn(self._telemetry_loop(client))
+                if self._head is not None:
+                    self._spawn(self._head.run())
+                await self._stop.wait()
+                await self._drain()
+                await client.publish(
+                    self._topics.presence(self.node_id),
+                    self._presence(online=False).SerializeToString(),
+                    qos=1,
+                    retain=True,
+                )
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await server.stop(grace=1.0)
+            await self.router.close()
+            await self._channel.close()
+            self.compute.close()
+        return self._exit_reason
+
+    def stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self._exit_reason = reason
+            logger.info("stopping: %s", reason)
+            self._stop.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("a node task failed: %r", task.exception(), exc_info=task.exception())
+            self.stop(f"internal error: {task.exception()}")
+
+    async def _drain(self) -> None:
+        """Let in-flight microbatches finish (bounded) before leaving."""
+        if self._head is not None:
+            self._head.stopping.set()
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            logger.warning("left with %d microbatches in flight; they will be replayed", self.in_flight)
+
+    def _presence(self, *, online: bool) -> control_pb2.Presence:
+        return control_pb2.Presence(
+            node_id=self.node_id, online=online, stage=max(self.stage, 0), timestamp=time.time()
+        )
+
+    # -- MQTT -----------------------------------------------------------
+
+    async def _read_mqtt(self, client: aiomqtt.Client) -> None:
+        assert self._topics is not None
+        async for message in client.messages:
+            kind = self._topics.kind_of(str(message.topic))
+            payload = message.payload
+            if kind is None or not isinstance(payload, bytes | bytearray):
+                continue
+            try:
+                if kind[0] == "plan":
+                    self._on_plan(control_pb2.Plan.FromString(bytes(payload)))
+                elif kind[0] == "step":
+                    self._on_step(control_pb2.StepState.FromString(bytes(payload)))
+            except Exception as exc:  # a malformed control message must not kill the node
+                logger.warning("ignoring malformed %s message: %s", kind[0], exc)
+
+    def _on_plan(self, plan: control_pb2.Plan) -> None:
+        self.router.set_plan(plan)
+        if self.node_id in plan.drained:
+            self.stop("drained by the coordinator")
+
+    def _on_step(self, state: control_pb2.StepState) -> None:
+        Phase = control_pb2.StepState
+        runtime = self.runtime
+        if runtime is None:
+            return
+        if state.phase == Phase.PHASE_APPLY and state.step == runtime.step:
+            self._spawn(self._apply(state.step))
+        elif state.phase == Phase.PHASE_DONE:
+            self.stop("the run has finished")
+
+    async def _apply(self, step: int) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step))
+        logger.info("applied step %d (%d samples)", step, samples)
+        await self.call_coordinator(
+            "StepDone",
+            coordinator_pb2.StepDoneRequest(node_id=self.node_id, step=step, samples=samples),
+        )
+
+    async def _telemetry_loop(self, client: aiomqtt.Client) -> None:
+        assert self._topics is not None
+        topic = self._topics.telemetry(self.node_id)
+        last_samples, last_time = 0, time.monotonic()
+        rate = 0.0
+        while True:
+            await asyncio.sleep(TELEMETRY_INTERVAL_S)
+            now = time.monotonic()
+            rate = 0.5 * rate + 0.5 * (self.samples_processed - last_samples) / (now - last_time)
+            last_samples, last_time = self.samples_processed, now
+            message = control_pb2.Telemetry(
+                node_id=self.node_id,
+                stage=self.stage,
+                samples=self.samples_processed,
+                samples_per_second=rate,
+                in_flight=self.in_flight,
+                links=self.stats.snapshot(),
+                timestamp=time.time(),
+            )
+            await client.publish(topic, message.SerializeToString(), qos=0)
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+def set_torch_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)

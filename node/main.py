@@ -1,0 +1,45 @@
+"""`swarmpipe node --coordinator HOST:PORT`: run one node daemon.
+
+Exit codes: 0 when the run finished, the node was drained, or it got
+SIGTERM/SIGINT; 2 for bad arguments or config; 3 when the coordinator cannot
+be reached; 1 for anything unexpected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator", required=True, help="host:port of the coordinator")
+    parser.add_argument("--node-id", default="", help="stable name of this node (default: host-pid)")
+    parser.add_argument("--listen", default="0.0.0.0:0", help="host:port of the Stage server")
+    parser.add_argument("--advertise-host", default="", help="host peers use to reach this node")
+    parser.add_argument("--broker", default="", help="mqtt://host:port overriding the coordinator's")
+    parser.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait to join")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--ready-file", default="", help="write the bound port here as JSON")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    set_torch_threads(args.threads)
+    options = NodeOptions(
+        coordinator=args.coordinator,
+        node_id=args.node_id or default_node_id(),
+        listen=args.listen,
+        advertise_host=args.advertise_host,
+        broker=args.broker,
+        join_timeout_s=args.join_timeout,
+        ready_file=args.ready_file,
+    )
+    daemon = NodeDaemon(options)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, daemon.stop, "SIGTERM")
+    loop.add_signal_handler(signal.SIGINT, daemon.stop, "SIGINT")
+    await daemon.run()
+    return 0

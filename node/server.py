@@ -1,0 +1,189 @@
+"""The node's Stage service: take a microbatch's activations, run the stage, return the gradient.
+
+A middle stage forwards its output to the next stage on a new call and keeps
+this one open until that call's gradient comes back, so a failure anywhere
+downstream surfaces as an error on exactly one open call: this one's caller.
+Bad input is refused with INVALID_ARGUMENT before any compute; a downstream
+failure is UNAVAILABLE so the caller knows it may resend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+import torch
+
+from swarmpipe.compression import get_codec
+from swarmpipe.errors import CodecError, PeerError
+from swarmpipe.node.compute import BACKWARD, FORWARD
+from swarmpipe.node.router import HopError
+from swarmpipe.node.transport import TensorReader, encode
+from swarmpipe.protos import stage_pb2, stage_pb2_grpc
+
+if TYPE_CHECKING:
+    from swarmpipe.node.daemon import NodeDaemon
+
+logger = logging.getLogger(__name__)
+
+MAX_SAMPLES_PER_MICROBATCH = 4096
+
+
+async def read_forward_request(
+    requests: AsyncIterator[stage_pb2.ForwardMessage],
+) -> tuple[stage_pb2.MicrobatchHeader, torch.Tensor]:
+    """Read the header, tensor header and chunks of one Forward call, in that order."""
+    header: stage_pb2.MicrobatchHeader | None = None
+    reader: TensorReader | None = None
+    async for message in requests:
+        kind = message.WhichOneof("kind")
+        if kind == "microbatch":
+            if header is not None:
+                raise PeerError("the call carries a second microbatch header")
+            header = message.microbatch
+        elif kind == "tensor":
+            if header is None:
+                raise PeerError("the tensor header came before the microbatch header")
+            if reader is not None:
+                raise PeerError("the call carries a second tensor header")
+            reader = TensorReader(message.tensor)
+        elif kind == "chunk":
+            if reader is None:
+                raise PeerError("tensor bytes came before the tensor header")
+            reader.add(message.chunk.data)
+        else:
+            raise PeerError("empty ForwardMessage: set microbatch, tensor or chunk")
+    if header is None or reader is None:
+        raise PeerError("the call ended before the microbatch and tensor headers")
+    return header, await reader.finish()
+
+
+def decode_labels(header: stage_pb2.MicrobatchHeader) -> torch.Tensor:
+    want = header.sample_count * header.context * 4
+    if len(header.labels) != want:
+        raise PeerError(
+            f"labels are {len(header.labels)} bytes; {header.sample_count} samples x "
+            f"{header.context} tokens of int32 need {want}"
+        )
+    array = np.frombuffer(header.labels, dtype="<i4").reshape(header.sample_count, header.context)
+    return torch.from_numpy(array.astype(np.int64))
+
+
+class StageServicer(stage_pb2_grpc.StageServicer):
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self.daemon = daemon
+
+    async def Info(
+        self, request: stage_pb2.StageInfoRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.StageInfoReply:
+        d = self.daemon
+        runtime = d.runtime
+        return stage_pb2.StageInfoReply(
+            node_id=d.node_id,
+            stage=d.stage,
+            num_stages=d.config.pipeline.stages if d.config else 0,
+            step=runtime.step if runtime else 0,
+            in_flight=d.in_flight,
+        )
+
+    async def Forward(
+        self,
+        request_iterator: AsyncIterator[stage_pb2.ForwardMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[stage_pb2.BackwardMessage]:
+        d = self.daemon
+        runtime = d.runtime
+        if runtime is None or d.config is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still starting")
+        assert runtime is not None and d.config is not None
+        try:
+            header, activation = await read_forward_request(request_iterator)
+            if header.hop != d.stage:
+                raise PeerError(f"microbatch is for stage {header.hop}; this node serves {d.stage}")
+            if not 1 <= header.sample_count <= MAX_SAMPLES_PER_MICROBATCH:
+                raise PeerError(f"sample_count {header.sample_count} is out of range")
+            if header.context != d.config.model.context:
+                raise PeerError(
+                    f"context {header.context} differs from the run's {d.config.model.context}"
+                )
+            if header.gradient_codec:
+                get_codec(header.gradient_codec)  # CodecError names an unknown codec
+            runtime.check_activation(activation, header.sample_count)
+            labels = decode_labels(header)
+            runtime.check_labels(labels)
+        except (PeerError, CodecError) as exc:
+            logger.warning("refused a microbatch: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # unreachable: abort raises
+        if header.step != runtime.step:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"microbatch is for step {header.step}; this node is at step {runtime.step}",
+            )
+        key = uuid.uuid4().hex
+        d.in_flight += 1
+        try:
+            if runtime.is_last:
+                last = await d.compute.run(
+                    FORWARD, lambda: runtime.forward_last(header.microbatch_id, activation, labels)
+                )
+                grad_input = last.grad_input
+                result = stage_pb2.MicrobatchResult(
+                    loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
+                )
+            else:
+                output = await d.compute.run(
+                    FORWARD, lambda: runtime.forward(key, header.microbatch_id, activation)
+                )
+                downstream = stage_pb2.MicrobatchHeader()
+                downstream.CopyFrom(header)
+                downstream.hop = d.stage + 1
+                downstream.sender_node = d.node_id
+                try:
+                    hop = await d.router.send(
+                        d.stage + 1,
+                        downstream,
+                        output,
+                        codec=d.activation_codec,
+                        block_size=d.config.pipeline.int8_block_size,
+                        timeout=d.config.pipeline.hop_timeout_s,
+                    )
+                except HopError as exc:
+                    logger.debug("downstream hop failed: %s", exc)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    raise  # unreachable
+                if hop.grad_input is None:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, "the next stage returned no gradient"
+                    )
+                grad_output = hop.grad_input
+                assert grad_output is not None
+                try:
+                    grad_input = await d.compute.run(
+                        BACKWARD, lambda: runtime.backward(key, grad_output)
+                    )
+                except PeerError as exc:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"bad gradient: {exc}")
+                    raise  # unreachable
+                result = stage_pb2.MicrobatchResult()
+                result.CopyFrom(hop.result)
+                result.stages_done += 1
+        finally:
+            d.in_flight -= 1
+            # A call cancelled mid-way must not leave its graph behind.
+            await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
+        assert grad_input is not None
+        codec = header.gradient_codec or d.gradient_codec
+        encoded = await encode(grad_input, codec, d.config.pipeline.int8_block_size)
+        yield stage_pb2.BackwardMessage(tensor=encoded.header)
+        for chunk in encoded.chunks:
+            yield stage_pb2.BackwardMessage(chunk=stage_pb2.TensorChunk(data=chunk))
+        d.stats.record(header.sender_node or header.origin_node, "gradient", codec,
+                       encoded.payload_bytes)
+        d.samples_processed += header.sample_count
+        yield stage_pb2.BackwardMessage(result=result)

@@ -1,0 +1,174 @@
+"""The stage runtime: one stage's layers, their saved activations, gradients and optimizer.
+
+Every method here runs on the compute worker's thread, never on the event loop.
+Loss convention: the last stage backpropagates the *summed* token loss of each
+microbatch, every node accumulates those gradients together with the number of
+tokens they came from, and `apply_step` divides by that count before AdamW.
+That makes a step's update independent of how the global batch was cut into
+microbatches, which is what lets the pipeline match single-process training.
+
+A microbatch contributes to this node's gradients at most once per step: when
+a sender resends one after a failure further up (the downstream part already
+ran), the repeat only computes the input gradient the sender needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from swarmpipe.config import RunConfig
+from swarmpipe.errors import PeerError
+from swarmpipe.model import build_stage, token_loss_sum
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Saved:
+    microbatch_id: str
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class LastStageResult:
+    grad_input: torch.Tensor | None
+    loss_sum: float
+    tokens: int
+
+
+class StageRuntime:
+    """Forward, backward, accumulation and the optimizer step of one pipeline stage."""
+
+    def __init__(self, config: RunConfig, stage: int) -> None:
+        self.config = config
+        self.stage = stage
+        self.num_stages = config.pipeline.stages
+        self.is_first = stage == 0
+        self.is_last = stage == self.num_stages - 1
+        self.module = build_stage(config, stage)
+        self.module.train()
+        t = config.train
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
+        )
+        self.step = 0
+        self.tokens_accumulated = 0
+        self.samples_accumulated = 0
+        self.duplicates_skipped = 0
+        self._contributed: set[str] = set()
+        self._saved: dict[str, _Saved] = {}
+
+    # -- input checks (called before any compute) ------------------------
+
+    def check_activation(self, x: torch.Tensor, sample_count: int) -> None:
+        """Reject an activation this stage cannot take, with a message naming the problem."""
+        if self.is_first:
+            raise PeerError("stage 0 takes token ids from its own data, not activations")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise PeerError(f"activation dtype {x.dtype} is not a floating type")
+        if x.ndim < 1 or x.shape[0] != sample_count:
+            raise PeerError(
+                f"activation shape {list(x.shape)} does not start with the microbatch's "
+                f"{sample_count} samples"
+            )
+        if not self.config.model.factory:
+            want = [sample_count, self.config.model.context, self.config.model.d_model]
+            if list(x.shape) != want:
+                raise PeerError(f"activation shape {list(x.shape)} is not the expected {want}")
+        if not bool(torch.isfinite(x).all()):
+            raise PeerError("activation contains NaN or infinite values")
+
+    def check_labels(self, labels: torch.Tensor) -> None:
+        vocab = self.config.model.vocab
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
+            raise PeerError(f"labels must be token ids in [0, {vocab})")
+
+    # -- compute -----------------------------------------------------------
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            return x
+        return x.detach().float().requires_grad_(True)
+
+    def forward(self, key: str, microbatch_id: str, x: torch.Tensor) -> torch.Tensor:
+        """Run the stage and keep the graph under `key` until backward or discard."""
+        inputs = self._prepare(x)
+        outputs = self.module(inputs)
+        self._saved[key] = _Saved(microbatch_id, inputs, outputs)
+        return outputs.detach()
+
+    def backward(self, key: str, grad_output: torch.Tensor) -> torch.Tensor | None:
+        """Backpropagate the gradient from downstream; return the input's gradient."""
+        saved = self._saved.pop(key)
+        if grad_output.shape != saved.outputs.shape:
+            raise PeerError(
+                f"gradient shape {list(grad_output.shape)} does not match the output "
+                f"shape {list(saved.outputs.shape)}"
+            )
+        if not bool(torch.isfinite(grad_output).all()):
+            raise PeerError("gradient contains NaN or infinite values")
+        grad = grad_output.to(saved.outputs.dtype)
+        return self._backprop(saved, saved.outputs, grad)
+
+    def forward_last(
+        self, microbatch_id: str, x: torch.Tensor, labels: torch.Tensor
+    ) -> LastStageResult:
+        """The last stage: forward, loss, and backward at once."""
+        inputs = self._prepare(x)
+        logits = self.module(inputs)
+        loss = token_loss_sum(logits, labels)
+        saved = _Saved(microbatch_id, inputs, logits)
+        grad_input = self._backprop(saved, loss, None)
+        return LastStageResult(grad_input, float(loss.detach()), labels.numel())
+
+    def _backprop(
+        self, saved: _Saved, outputs: torch.Tensor, grad: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        first_time = saved.microbatch_id not in self._contributed
+        if first_time:
+            outputs.backward(grad)
+            self._contributed.add(saved.microbatch_id)
+            tokens = saved.inputs.shape[0] * (saved.inputs.shape[1] if saved.inputs.ndim > 1 else 1)
+            self.tokens_accumulated += int(tokens)
+            self.samples_accumulated += int(saved.inputs.shape[0])
+            return None if self.is_first else saved.inputs.grad
+        self.duplicates_skipped += 1
+        logger.debug("microbatch %s already contributed this step", saved.microbatch_id)
+        if self.is_first:
+            return None
+        (grad_input,) = torch.autograd.grad(outputs, saved.inputs, grad)
+        return grad_input
+
+    def discard(self, key: str) -> None:
+        self._saved.pop(key, None)
+
+    @property
+    def saved_count(self) -> int:
+        return len(self._saved)
+
+    def apply_step(self, step: int) -> int:
+        """Average the accumulated gradients, step AdamW, and move to step+1.
+
+        Returns the samples that contributed. Idempotent per step, so a repeated
+        APPLY announcement (MQTT delivers at least once) steps only once.
+        """
+        if step != self.step:
+            return self.samples_accumulated
+        if self.tokens_accumulated:
+            scale = 1.0 / self.tokens_accumulated
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        samples = self.samples_accumulated
+        self.tokens_accumulated = 0
+        self.samples_accumulated = 0
+        self._contributed.clear()
+        self._saved.clear()
+        self.step = step + 1
+        return samples

@@ -1,0 +1,95 @@
+"""Tensors on the Stage.Forward stream: encoding into messages, assembling from them, counting bytes.
+
+Encoding and decoding run in a thread (not the event loop, not the compute
+worker): codecs are plain torch ops on their own tensors, so they can overlap
+with the stage's compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from swarmpipe.compression import TensorAssembler, encode_tensor, iter_chunks
+from swarmpipe.errors import PeerError
+from swarmpipe.protos import control_pb2, tensor_pb2
+
+MAX_TENSOR_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedTensor:
+    header: tensor_pb2.TensorHeader
+    chunks: list[bytes]
+
+    @property
+    def payload_bytes(self) -> int:
+        return int(self.header.payload_bytes)
+
+
+async def encode(tensor: torch.Tensor, codec: int, block_size: int) -> EncodedTensor:
+    def work() -> EncodedTensor:
+        header, payload = encode_tensor(tensor, codec, block_size=block_size)
+        return EncodedTensor(header, list(iter_chunks(payload)))
+
+    return await asyncio.to_thread(work)
+
+
+class TensorReader:
+    """Collects one tensor from a header and chunk messages; bounded by the header."""
+
+    def __init__(self, header: tensor_pb2.TensorHeader) -> None:
+        # TensorAssembler checks the header (sizes, codec, dtype) before any
+        # payload is buffered, so a hostile header costs nothing.
+        self._assembler = TensorAssembler(header, max_bytes=MAX_TENSOR_BYTES)
+        self.header = header
+
+    def add(self, data: bytes) -> None:
+        self._assembler.add(data)
+
+    @property
+    def complete(self) -> bool:
+        return self._assembler.complete
+
+    async def finish(self) -> torch.Tensor:
+        if not self._assembler.complete:
+            raise PeerError(
+                f"stream ended after {self._assembler.received} of "
+                f"{self.header.payload_bytes} tensor bytes"
+            )
+        return await asyncio.to_thread(self._assembler.finish)
+
+
+class LinkStats:
+    """Bytes and tensors this node sent, per (peer, direction, codec); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str, int], list[int]] = defaultdict(lambda: [0, 0])
+
+    def record(self, peer: str, direction: str, codec: int, nbytes: int) -> None:
+        with self._lock:
+            entry = self._counts[(peer, direction, codec)]
+            entry[0] += nbytes
+            entry[1] += 1
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return sum(v[0] for v in self._counts.values())
+
+    def snapshot(self) -> list[control_pb2.LinkCounter]:
+        with self._lock:
+            return [
+                control_pb2.LinkCounter(
+                    peer=peer,
+                    direction=direction,
+                    codec=codec,  # type: ignore[arg-type]
+                    bytes=v[0],
+                    tensors=v[1],
+                )
+                for (peer, direction, codec), v in sorted(self._counts.items())
+            ]

@@ -1,0 +1,62 @@
+"""gRPC plumbing shared by every server and client: options, health, reflection.
+
+Every swarmpipe server exposes the standard health service and server
+reflection, so `grpcurl` and load balancers can talk to it without our protos.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Tensors travel as 1 MiB chunks, so no message comes near these limits; they
+# are raised a little above gRPC's 4 MiB default only to leave room for headers.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Detect a dead peer on an idle channel within ~30 s instead of hours.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def create_server() -> grpc.aio.Server:
+    return grpc.aio.server(options=SERVER_OPTIONS)
+
+
+async def enable_health_and_reflection(
+    server: grpc.aio.Server, service_names: list[str]
+) -> health.aio.HealthServicer:
+    """Register the health service (all SERVING) and reflection for these services."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ["", *service_names]:
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return servicer
+
+
+def bind(server: grpc.aio.Server, listen: str) -> int:
+    """Bind host:port (port 0 picks a free one) and return the bound port."""
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}: the address is in use or invalid")
+    return port
+
+
+def open_channel(target: str) -> grpc.aio.Channel:
+    """A channel to `target` with the project's options (plaintext for now)."""
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)

@@ -1,0 +1,243 @@
+"""`swarmpipe testnet`: a whole swarm on this machine, as separate processes, with a report.
+
+Starts a coordinator (with its embedded broker, or --broker) and N node
+daemons on 127.0.0.1 ephemeral ports, shows step, loss, samples/s and bytes/s
+while they train, then writes report.json into the output folder and prints
+its path. Ctrl-C, or any child crashing, stops every process it started.
+
+Exit codes: 0 when the run finished and wrote its report, 1 when a child
+crashed or the run stalled, 2 for bad arguments or config, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from swarmpipe.config import RunConfig, load_config
+from swarmpipe.errors import ConfigError, SwarmpipeError
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.ready import wait_ready_file
+from swarmpipe.rpc import open_channel
+from swarmpipe.testnet.processes import ProcessGroup
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=3, help="node daemons to start")
+    parser.add_argument("--stages", type=int, help="pipeline stages (default: config, 3)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: config, 50)")
+    parser.add_argument("--config", help="run config (TOML)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value; repeatable")
+    parser.add_argument("--out", help="output folder (default: ./testnet-runs/<time>)")
+    parser.add_argument("--broker", default="", help="mqtt://host:port of an external broker")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
+    parser.add_argument("--stall-timeout", type=float, default=120.0,
+                        help="fail when no step finishes for this many seconds")
+    parser.add_argument("--quiet", action="store_true", help="no live progress lines")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = list(args.set)
+    if args.stages is not None:
+        extra.append(f"pipeline.stages={args.stages}")
+    if args.steps is not None:
+        extra.append(f"train.steps={args.steps}")
+    return extra
+
+
+class StallError(SwarmpipeError):
+    """The testnet made no progress for too long."""
+
+
+async def serve(args: argparse.Namespace) -> int:
+    overrides = _overrides(args)
+    config = load_config(args.config, overrides)
+    if args.nodes < config.pipeline.stages:
+        raise ConfigError(
+            f"--nodes {args.nodes} cannot cover {config.pipeline.stages} stages; "
+            "give at least one node per stage"
+        )
+    out = Path(args.out or Path("testnet-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Testnet(config, args, overrides, out)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    loop.add_signal_handler(signal.SIGINT, main_task.cancel)
+    loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
+    try:
+        report = await runner.run()
+    except asyncio.CancelledError:
+        print("\ninterrupted: stopping every process", file=sys.stderr)
+        runner.group.stop_all()
+        return 130
+    finally:
+        runner.group.stop_all()
+    path = out / "report.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"report: {path}")
+    return 0
+
+
+class Testnet:
+    def __init__(
+        self, config: RunConfig, args: argparse.Namespace, overrides: list[str], out: Path
+    ) -> None:
+        self.config = config
+        self.args = args
+        self.overrides = overrides
+        self.out = out
+        self.group = ProcessGroup(out)
+
+    def _start_children(self) -> str:
+        common = ["--log-level", "INFO"]
+        coord_args = [*common, "coordinator", "--listen", "127.0.0.1:0"]
+        if self.args.config:
+            coord_args += ["--config", str(Path(self.args.config).resolve())]
+        for item in self.overrides:
+            coord_args += ["--set", item]
+        if self.args.broker:
+            coord_args += ["--broker", self.args.broker]
+        coordinator = self.group.start("coordinator", coord_args)
+        ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
+        target = f"127.0.0.1:{ready['grpc_port']}"
+        for i in range(self.args.nodes):
+            node_args = [*common, "node", "--coordinator", target, "--node-id", f"n{i}",
+                         "--listen", "127.0.0.1:0", "--threads", str(self.args.threads)]
+            if self.args.broker:
+                node_args += ["--broker", self.args.broker]
+            self.group.start(f"n{i}", node_args)
+        return target
+
+    async def run(self) -> dict[str, Any]:
+        started = time.time()
+        t0 = time.monotonic()
+        target = await asyncio.to_thread(self._start_children)
+        channel = open_channel(target)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            status = await self._follow(stub)
+            # Nodes leave by themselves once the run is done; give them a moment.
+            deadline = time.monotonic() + 15
+            while any(c.alive() for c in self.group.children[1:]) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            status = await stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
+        finally:
+            await channel.close()
+        wall = time.monotonic() - t0
+        return build_report(self.config, status, started=started, wall_seconds=wall,
+                            nodes=self.args.nodes, logs=str(self.out / "logs"))
+
+    async def _follow(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> Any:
+        last_step_count, last_progress = -1, time.monotonic()
+        last_bytes, last_time = 0, time.monotonic()
+        tty = sys.stdout.isatty() and not self.args.quiet
+        next_line = 0.0
+        while True:
+            crashed = self.group.crashed()
+            if crashed:
+                c = crashed[0]
+                raise SwarmpipeError(
+                    f"{c.name} exited with code {c.popen.returncode}; last lines of "
+                    f"{c.log_path}:\n{c.log_tail()}"
+                )
+            try:
+                status = await stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                raise SwarmpipeError(f"the coordinator stopped answering: {exc.code().name}") from exc
+            now = time.monotonic()
+            if len(status.steps) != last_step_count:
+                last_step_count, last_progress = len(status.steps), now
+            elif now - last_progress > self.args.stall_timeout:
+                raise StallError(
+                    f"no step finished for {self.args.stall_timeout:.0f} s (phase "
+                    f"{status.phase}, step {status.step}); logs are in {self.out / 'logs'}"
+                )
+            total_bytes = sum(link.bytes for link in status.links)
+            if not self.args.quiet and (tty or now >= next_line):
+                rate = (total_bytes - last_bytes) / max(now - last_time, 1e-9)
+                last_bytes, last_time = total_bytes, now
+                line = progress_line(status, rate)
+                print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n",
+                      flush=True)
+                next_line = now + 2.0
+            if status.done:
+                if tty:
+                    print()
+                return status
+            await asyncio.sleep(0.5)
+
+
+def progress_line(status: coordinator_pb2.StatusReply, bytes_per_second: float) -> str:
+    c = status.counters
+    online = sum(1 for n in status.nodes if n.online)
+    if status.steps:
+        last = status.steps[-1]
+        recent = status.steps[-5:]
+        sps = sum(s.samples for s in recent) / max(sum(s.seconds for s in recent), 1e-9)
+        loss = f"loss {last.loss:.4f}"
+    else:
+        sps, loss = 0.0, "loss -"
+    return (
+        f"step {len(status.steps)}/{status.total_steps} {status.phase:<8} {loss} | "
+        f"{sps:6.1f} samples/s | {bytes_per_second / 1e6:6.2f} MB/s | nodes {online}/"
+        f"{len(status.nodes)} | leased {c.leased} committed {c.committed} "
+        f"replayed {c.replayed} lost {c.lost}"
+    )
+
+
+def build_report(
+    config: RunConfig,
+    status: coordinator_pb2.StatusReply,
+    *,
+    started: float,
+    wall_seconds: float,
+    nodes: int,
+    logs: str,
+) -> dict[str, Any]:
+    steps = [
+        {"step": s.step, "loss": s.loss, "samples": s.samples, "seconds": s.seconds,
+         "samples_per_second": s.samples_per_second}
+        for s in status.steps
+    ]
+    train_seconds = sum(s["seconds"] for s in steps)
+    c = status.counters
+    return {
+        "format": "swarmpipe.testnet/1",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_seconds": wall_seconds,
+        "nodes": nodes,
+        "config": dataclasses.asdict(config),
+        "samples_per_second": (sum(s["samples"] for s in steps) / train_seconds
+                               if train_seconds else 0.0),
+        "final_loss": steps[-1]["loss"] if steps else None,
+        "steps": steps,
+        "links": [
+            {"src": link.src_node, "dst": link.dst_node, "direction": link.direction,
+             "codec": link.codec, "bytes": link.bytes, "tensors": link.tensors}
+            for link in status.links
+        ],
+        "counters": {"leased": c.leased, "committed": c.committed, "replayed": c.replayed,
+                     "duplicates": c.duplicates, "lost": c.lost, "outstanding": c.outstanding},
+        "members": [
+            {"node_id": n.node_id, "stage": n.stage, "address": n.address, "online": n.online,
+             "samples": n.samples}
+            for n in status.nodes
+        ],
+        "logs": logs,
+    }

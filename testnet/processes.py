@@ -1,0 +1,115 @@
+"""Child processes of a testnet: started in their own session, logged to files, always reaped.
+
+Known failure mode this guards against: a testnet killed hard (SIGKILL) would
+leave its daemons running. Each child asks the kernel for SIGTERM when its
+parent dies (PR_SET_PDEATHSIG, Linux), so even then nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    ready_file: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+
+class ProcessGroup:
+    """Starts swarmpipe subcommands and guarantees they are all gone at the end."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.children: list[Child] = []
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        ready = self.workdir / "logs" / f"{name}.ready.json"
+        ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "swarmpipe", *args, "--ready-file", str(ready)]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,  # Ctrl-C reaches the testnet, which stops children in order
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - needed for PDEATHSIG
+            )
+        child = Child(name, popen, log_path, ready)
+        self.children.append(child)
+        return child
+
+    def crashed(self) -> list[Child]:
+        """Children that exited with a non-zero code."""
+        return [c for c in self.children if c.popen.poll() not in (None, 0)]
+
+    def stop(self, child: Child, grace: float = 10.0) -> int | None:
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                child.popen.send_signal(signal.SIGTERM)
+            try:
+                child.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s ignored SIGTERM for %.0f s; killing it", child.name, grace)
+                self.kill(child)
+        return child.popen.returncode
+
+    def kill(self, child: Child) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.popen.pid, signal.SIGKILL)
+        child.popen.wait()
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        """SIGTERM everyone, wait up to `grace`, SIGKILL the rest (whole process groups)."""
+        for child in self.children:
+            if child.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    child.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in self.children:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                child.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                self.kill(child)
+        for child in self.children:
+            # Grandchildren, if any, share the child's session and group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.popen.pid, signal.SIGKILL)
