@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import sys
 from collections.abc import Sequence
 
@@ -44,7 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, who=args.command)
     try:
-        return int(asyncio.run(args.serve(args)))
+        result = args.serve(args)
+        if inspect.iscoroutine(result):
+            result = asyncio.run(result)
+        return int(result)
     except KeyboardInterrupt:
         return 130
     except ConfigError as exc:

@@ -107,8 +107,7 @@ class TrainConfig:
             raise ConfigError("train.steps, global_batch and microbatch must be >= 1")
         if self.microbatch > self.global_batch:
             raise ConfigError(
-                f"train.microbatch={self.microbatch} exceeds train.global_batch="
-                f"{self.global_batch}"
+                f"train.microbatch={self.microbatch} exceeds train.global_batch={self.global_batch}"
             )
         if self.lr <= 0:
             raise ConfigError("train.lr must be positive")
@@ -225,7 +224,8 @@ def _build(cls: type[Any], raw: dict[str, Any], where: str) -> Any:
     if unknown:
         place = f"[{where}]" if where else "the top level"
         raise ConfigError(
-            f"unknown config key(s) {', '.join(unknown)} in {place}; known: {', '.join(sorted(names))}"
+            f"unknown config key(s) {', '.join(unknown)} in {place}; "
+            f"known: {', '.join(sorted(names))}"
         )
     kwargs = {
         key: _coerce(hints[key], value, f"{where}.{key}" if where else key)

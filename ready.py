@@ -35,3 +35,14 @@ def wait_ready_file(path: str | Path, timeout: float, alive: Any = None) -> dict
             raise RuntimeError(f"process exited before writing {path}")
         time.sleep(0.02)
     raise TimeoutError(f"no ready file at {path} after {timeout:.0f} s")
+
+
+def poll_until(predicate: Any, timeout: float, what: str) -> Any:
+    """Poll `predicate` until it returns something truthy; TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")

@@ -26,7 +26,10 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="run config (TOML); defaults apply without one")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="override one config value; repeatable",
     )
     parser.add_argument(
@@ -36,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--broker", help="mqtt://host:port of an external broker; default: embed one"
     )
     parser.add_argument(
-        "--broker-listen", default="127.0.0.1:0",
+        "--broker-listen",
+        default="127.0.0.1:0",
         help="host:port of the embedded broker (use 0.0.0.0:1883 for remote volunteers)",
     )
     parser.add_argument("--ready-file", help="write the bound ports here as JSON once serving")
@@ -71,7 +75,11 @@ async def serve(args: argparse.Namespace) -> int:
         await server.start()
         logger.info(
             "coordinator of run %r serving on port %d, broker %s, %d stages, %d steps",
-            config.run_id, port, broker.url, config.pipeline.stages, config.train.steps,
+            config.run_id,
+            port,
+            broker.url,
+            config.pipeline.stages,
+            config.train.steps,
         )
         if args.ready_file:
             write_ready_file(

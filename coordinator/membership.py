@@ -47,7 +47,11 @@ class Membership:
             if m.node_id != node_id and self._holds_stage(m, now):
                 counts[m.stage] += 1
         stage = min(range(self.num_stages), key=lambda s: (counts[s], s))
-        if previous is not None and not previous.drained and counts[previous.stage] == counts[stage]:
+        if (
+            previous is not None
+            and not previous.drained
+            and counts[previous.stage] == counts[stage]
+        ):
             stage = previous.stage  # a restarted node keeps its stage when that costs nothing
         member = Member(node_id=node_id, address=address, stage=stage, joined_at=now)
         self.members[node_id] = member

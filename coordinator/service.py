@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 import aiomqtt
 import grpc
 
-from swarmpipe import __version__
 from swarmpipe.config import RunConfig, codec_enum
 from swarmpipe.coordinator.membership import Membership
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
@@ -290,7 +289,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         await self._on_message(str(message.topic), message.payload)
             except aiomqtt.MqttError as exc:
                 self._mqtt_ready.clear()
-                logger.warning("MQTT connection to %s lost (%s); reconnecting", self.broker.url, exc)
+                logger.warning(
+                    "MQTT connection to %s lost (%s); reconnecting", self.broker.url, exc
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
@@ -322,8 +323,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             logger.info("node %s online (stage %d)", node_id, member.stage)
         else:
             requeued = self.protocol.node_lost(node_id)
-            logger.warning(
-                "node %s offline (stage %d); %d samples requeued", node_id, member.stage, requeued
+            level = logging.INFO if self.protocol.phase is Phase.DONE else logging.WARNING
+            logger.log(
+                level, "node %s offline (stage %d); %d samples requeued",
+                node_id, member.stage, requeued,
             )
         await self._publish_plan()
         await self._after_change()

@@ -11,7 +11,6 @@ then exit 0).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -35,7 +34,13 @@ from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.transport import LinkStats
-from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from swarmpipe.protos import (
+    control_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    stage_pb2,
+    stage_pb2_grpc,
+)
 from swarmpipe.ready import write_ready_file
 from swarmpipe.rpc import bind, create_server, enable_health_and_reflection, open_channel
 
@@ -96,6 +101,7 @@ class NodeDaemon:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._stop = asyncio.Event()
         self._exit_reason = ""
+        self.failed = False
         self._mqtt: aiomqtt.Client | None = None
         self._topics: Topics | None = None
         self._head: Head | None = None
@@ -111,7 +117,10 @@ class NodeDaemon:
             try:
                 return await getattr(self.coordinator, method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
                     raise
                 if time.monotonic() > deadline:
                     raise CoordinatorUnavailable(
@@ -131,12 +140,16 @@ class NodeDaemon:
         while time.monotonic() < deadline:
             try:
                 reply: coordinator_pb2.JoinReply = await self.coordinator.Join(
-                    request, timeout=max(0.5, min(5.0, deadline - time.monotonic())),
+                    request,
+                    timeout=max(0.5, min(5.0, deadline - time.monotonic())),
                     wait_for_ready=True,
                 )
                 return reply
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
                     raise CoordinatorUnavailable(
                         f"the coordinator at {self.options.coordinator} refused to let this node "
                         f"join: {exc.details()}"
@@ -176,7 +189,12 @@ class NodeDaemon:
             n_params = sum(p.numel() for p in self.runtime.module.parameters())
             logger.info(
                 "joined run %r as stage %d of %d (%d parameters), serving on %s:%d",
-                reply.run_id, stage, config.pipeline.stages, n_params, host, port,
+                reply.run_id,
+                stage,
+                config.pipeline.stages,
+                n_params,
+                host,
+                port,
             )
             if stage == 0:
                 from swarmpipe.data import Corpus
@@ -188,7 +206,9 @@ class NodeDaemon:
             broker_url = self.options.broker or reply.broker_url
             broker = parse_broker_url(broker_url)
             if broker.host in ("127.0.0.1", "0.0.0.0", "localhost") and coord_host not in (
-                "127.0.0.1", "localhost", "::1"
+                "127.0.0.1",
+                "localhost",
+                "::1",
             ):
                 # The coordinator's embedded broker listens beside it; reach it
                 # at the coordinator's host rather than our own loopback.
@@ -196,7 +216,12 @@ class NodeDaemon:
             if self.options.ready_file:
                 write_ready_file(
                     self.options.ready_file,
-                    {"grpc_port": port, "node_id": self.node_id, "stage": stage, "pid": os.getpid()},
+                    {
+                        "grpc_port": port,
+                        "node_id": self.node_id,
+                        "stage": stage,
+                        "pid": os.getpid(),
+                    },
                 )
             self._topics = Topics(reply.run_id)
             will = aiomqtt.Will(
@@ -221,6 +246,13 @@ class NodeDaemon:
                     self._spawn(self._head.run())
                 await self._stop.wait()
                 await self._drain()
+                await self._cancel_tasks()
+                # A last report, so counters of a short run are not lost between ticks.
+                await client.publish(
+                    self._topics.telemetry(self.node_id),
+                    self._telemetry(0.0).SerializeToString(),
+                    qos=1,
+                )
                 await client.publish(
                     self._topics.presence(self.node_id),
                     self._presence(online=False).SerializeToString(),
@@ -228,18 +260,24 @@ class NodeDaemon:
                     retain=True,
                 )
         finally:
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._cancel_tasks()
             await server.stop(grace=1.0)
             await self.router.close()
             await self._channel.close()
             self.compute.close()
         return self._exit_reason
 
-    def stop(self, reason: str) -> None:
+    async def _cancel_tasks(self) -> None:
+        tasks = list(self._tasks)
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stop(self, reason: str, *, failed: bool = False) -> None:
         if not self._stop.is_set():
             self._exit_reason = reason
+            self.failed = failed
             logger.info("stopping: %s", reason)
             self._stop.set()
 
@@ -250,9 +288,15 @@ class NodeDaemon:
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("a node task failed: %r", task.exception(), exc_info=task.exception())
-            self.stop(f"internal error: {task.exception()}")
+        if task.cancelled() or task.exception() is None or self._stop.is_set():
+            return
+        exc = task.exception()
+        if isinstance(exc, aiomqtt.MqttError):
+            logger.error("lost the MQTT broker: %s", exc)
+            self.stop(f"lost the MQTT broker: {exc}", failed=True)
+        else:
+            logger.error("a node task failed: %r", exc, exc_info=exc)
+            self.stop(f"internal error: {exc!r}", failed=True)
 
     async def _drain(self) -> None:
         """Let in-flight microbatches finish (bounded) before leaving."""
@@ -262,7 +306,9 @@ class NodeDaemon:
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.in_flight:
-            logger.warning("left with %d microbatches in flight; they will be replayed", self.in_flight)
+            logger.warning(
+                "left with %d microbatches in flight; they will be replayed", self.in_flight
+            )
 
     def _presence(self, *, online: bool) -> control_pb2.Presence:
         return control_pb2.Presence(
@@ -321,16 +367,18 @@ class NodeDaemon:
             now = time.monotonic()
             rate = 0.5 * rate + 0.5 * (self.samples_processed - last_samples) / (now - last_time)
             last_samples, last_time = self.samples_processed, now
-            message = control_pb2.Telemetry(
-                node_id=self.node_id,
-                stage=self.stage,
-                samples=self.samples_processed,
-                samples_per_second=rate,
-                in_flight=self.in_flight,
-                links=self.stats.snapshot(),
-                timestamp=time.time(),
-            )
-            await client.publish(topic, message.SerializeToString(), qos=0)
+            await client.publish(topic, self._telemetry(rate).SerializeToString(), qos=0)
+
+    def _telemetry(self, rate: float) -> control_pb2.Telemetry:
+        return control_pb2.Telemetry(
+            node_id=self.node_id,
+            stage=self.stage,
+            samples=self.samples_processed,
+            samples_per_second=rate,
+            in_flight=self.in_flight,
+            links=self.stats.snapshot(),
+            timestamp=time.time(),
+        )
 
 
 def default_node_id() -> str:

@@ -173,5 +173,7 @@ class Head:
         )
         await d.call_coordinator(
             "Release",
-            coordinator_pb2.ReleaseRequest(node_id=d.node_id, lease_id=lease.lease_id, reason=reason),
+            coordinator_pb2.ReleaseRequest(
+                node_id=d.node_id, lease_id=lease.lease_id, reason=reason
+            ),
         )

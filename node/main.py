@@ -14,13 +14,16 @@ import signal
 from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", required=True, help="host:port of the coordinator")
-    parser.add_argument("--node-id", default="", help="stable name of this node (default: host-pid)")
+    parser.add_argument(
+        "--node-id", default="", help="stable name of this node (default: host-pid)"
+    )
     parser.add_argument("--listen", default="0.0.0.0:0", help="host:port of the Stage server")
     parser.add_argument("--advertise-host", default="", help="host peers use to reach this node")
-    parser.add_argument("--broker", default="", help="mqtt://host:port overriding the coordinator's")
+    parser.add_argument(
+        "--broker", default="", help="mqtt://host:port overriding the coordinator's"
+    )
     parser.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait to join")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--ready-file", default="", help="write the bound port here as JSON")
@@ -42,4 +45,4 @@ async def serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGTERM, daemon.stop, "SIGTERM")
     loop.add_signal_handler(signal.SIGINT, daemon.stop, "SIGINT")
     await daemon.run()
-    return 0
+    return 1 if daemon.failed else 0

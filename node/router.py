@@ -19,7 +19,7 @@ import torch
 
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
-from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc
+from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from swarmpipe.rpc import open_channel
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class Router:
             await call.write(stage_pb2.ForwardMessage(microbatch=header))
             await call.write(stage_pb2.ForwardMessage(tensor=encoded.header))
             for chunk in encoded.chunks:
-                await call.write(stage_pb2.ForwardMessage(chunk=stage_pb2.TensorChunk(data=chunk)))
+                await call.write(stage_pb2.ForwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk)))
             await call.done_writing()
             self.stats.record(peer, "activation", codec, encoded.payload_bytes)
             reader: TensorReader | None = None
@@ -124,8 +124,7 @@ class Router:
             code = exc.code()
             retryable = code not in (grpc.StatusCode.INVALID_ARGUMENT,)
             raise HopError(
-                f"stage {stage} at {peer} ({replica.address}) failed: {code.name}: "
-                f"{exc.details()}",
+                f"stage {stage} at {peer} ({replica.address}) failed: {code.name}: {exc.details()}",
                 peer=peer,
                 retryable=retryable,
             ) from exc

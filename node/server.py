@@ -24,7 +24,7 @@ from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError
 from swarmpipe.node.transport import TensorReader, encode
-from swarmpipe.protos import stage_pb2, stage_pb2_grpc
+from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
     from swarmpipe.node.daemon import NodeDaemon
@@ -182,8 +182,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         encoded = await encode(grad_input, codec, d.config.pipeline.int8_block_size)
         yield stage_pb2.BackwardMessage(tensor=encoded.header)
         for chunk in encoded.chunks:
-            yield stage_pb2.BackwardMessage(chunk=stage_pb2.TensorChunk(data=chunk))
-        d.stats.record(header.sender_node or header.origin_node, "gradient", codec,
-                       encoded.payload_bytes)
+            yield stage_pb2.BackwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk))
+        d.stats.record(
+            header.sender_node or header.origin_node, "gradient", codec, encoded.payload_bytes
+        )
         d.samples_processed += header.sample_count
         yield stage_pb2.BackwardMessage(result=result)

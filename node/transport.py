@@ -1,4 +1,4 @@
-"""Tensors on the Stage.Forward stream: encoding into messages, assembling from them, counting bytes.
+"""Tensors on the Stage.Forward stream: encoding, assembling, and counting their bytes.
 
 Encoding and decoding run in a thread (not the event loop, not the compute
 worker): codecs are plain torch ops on their own tensors, so they can overlap

@@ -59,15 +59,25 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         files = [f for f in generate(Path(tmp)) if f.name.endswith(GENERATED_SUFFIXES)]
-        stale = [f.name for f in files if not (PROTOS / f.name).exists()
-                 or (PROTOS / f.name).read_bytes() != f.read_bytes()]
+        stale = [
+            f.name
+            for f in files
+            if not (PROTOS / f.name).exists() or (PROTOS / f.name).read_bytes() != f.read_bytes()
+        ]
         expected = {f.name for f in files}
-        extra = [p.name for p in PROTOS.iterdir()
-                 if p.name.endswith(GENERATED_SUFFIXES) and p.name not in expected]
+        extra = [
+            p.name
+            for p in PROTOS.iterdir()
+            if p.name.endswith(GENERATED_SUFFIXES) and p.name not in expected
+        ]
         if args.check:
             if stale or extra:
-                print("generated protobuf code is stale: " + ", ".join(stale + extra)
-                      + "; run `python scripts/gen_protos.py`", file=sys.stderr)
+                print(
+                    "generated protobuf code is stale: "
+                    + ", ".join(stale + extra)
+                    + "; run `python scripts/gen_protos.py`",
+                    file=sys.stderr,
+                )
                 return 1
             return 0
         for f in files:

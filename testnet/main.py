@@ -41,13 +41,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, help="pipeline stages (default: config, 3)")
     parser.add_argument("--steps", type=int, help="optimizer steps (default: config, 50)")
     parser.add_argument("--config", help="run config (TOML)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value; repeatable")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value; repeatable",
+    )
     parser.add_argument("--out", help="output folder (default: ./testnet-runs/<time>)")
     parser.add_argument("--broker", default="", help="mqtt://host:port of an external broker")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
-    parser.add_argument("--stall-timeout", type=float, default=120.0,
-                        help="fail when no step finishes for this many seconds")
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="fail when no step finishes for this many seconds",
+    )
     parser.add_argument("--quiet", action="store_true", help="no live progress lines")
 
 
@@ -117,8 +126,18 @@ class Testnet:
         ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
         target = f"127.0.0.1:{ready['grpc_port']}"
         for i in range(self.args.nodes):
-            node_args = [*common, "node", "--coordinator", target, "--node-id", f"n{i}",
-                         "--listen", "127.0.0.1:0", "--threads", str(self.args.threads)]
+            node_args = [
+                *common,
+                "node",
+                "--coordinator",
+                target,
+                "--node-id",
+                f"n{i}",
+                "--listen",
+                "127.0.0.1:0",
+                "--threads",
+                str(self.args.threads),
+            ]
             if self.args.broker:
                 node_args += ["--broker", self.args.broker]
             self.group.start(f"n{i}", node_args)
@@ -140,8 +159,14 @@ class Testnet:
         finally:
             await channel.close()
         wall = time.monotonic() - t0
-        return build_report(self.config, status, started=started, wall_seconds=wall,
-                            nodes=self.args.nodes, logs=str(self.out / "logs"))
+        return build_report(
+            self.config,
+            status,
+            started=started,
+            wall_seconds=wall,
+            nodes=self.args.nodes,
+            logs=str(self.out / "logs"),
+        )
 
     async def _follow(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> Any:
         last_step_count, last_progress = -1, time.monotonic()
@@ -159,7 +184,9 @@ class Testnet:
             try:
                 status = await stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
             except grpc.aio.AioRpcError as exc:
-                raise SwarmpipeError(f"the coordinator stopped answering: {exc.code().name}") from exc
+                raise SwarmpipeError(
+                    f"the coordinator stopped answering: {exc.code().name}"
+                ) from exc
             now = time.monotonic()
             if len(status.steps) != last_step_count:
                 last_step_count, last_progress = len(status.steps), now
@@ -173,8 +200,9 @@ class Testnet:
                 rate = (total_bytes - last_bytes) / max(now - last_time, 1e-9)
                 last_bytes, last_time = total_bytes, now
                 line = progress_line(status, rate)
-                print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n",
-                      flush=True)
+                print(
+                    ("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n", flush=True
+                )
                 next_line = now + 2.0
             if status.done:
                 if tty:
@@ -211,8 +239,13 @@ def build_report(
     logs: str,
 ) -> dict[str, Any]:
     steps = [
-        {"step": s.step, "loss": s.loss, "samples": s.samples, "seconds": s.seconds,
-         "samples_per_second": s.samples_per_second}
+        {
+            "step": s.step,
+            "loss": s.loss,
+            "samples": s.samples,
+            "seconds": s.seconds,
+            "samples_per_second": s.samples_per_second,
+        }
         for s in status.steps
     ]
     train_seconds = sum(s["seconds"] for s in steps)
@@ -223,20 +256,38 @@ def build_report(
         "wall_seconds": wall_seconds,
         "nodes": nodes,
         "config": dataclasses.asdict(config),
-        "samples_per_second": (sum(s["samples"] for s in steps) / train_seconds
-                               if train_seconds else 0.0),
+        "samples_per_second": (
+            sum(s["samples"] for s in steps) / train_seconds if train_seconds else 0.0
+        ),
         "final_loss": steps[-1]["loss"] if steps else None,
         "steps": steps,
         "links": [
-            {"src": link.src_node, "dst": link.dst_node, "direction": link.direction,
-             "codec": link.codec, "bytes": link.bytes, "tensors": link.tensors}
+            {
+                "src": link.src_node,
+                "dst": link.dst_node,
+                "direction": link.direction,
+                "codec": link.codec,
+                "bytes": link.bytes,
+                "tensors": link.tensors,
+            }
             for link in status.links
         ],
-        "counters": {"leased": c.leased, "committed": c.committed, "replayed": c.replayed,
-                     "duplicates": c.duplicates, "lost": c.lost, "outstanding": c.outstanding},
+        "counters": {
+            "leased": c.leased,
+            "committed": c.committed,
+            "replayed": c.replayed,
+            "duplicates": c.duplicates,
+            "lost": c.lost,
+            "outstanding": c.outstanding,
+        },
         "members": [
-            {"node_id": n.node_id, "stage": n.stage, "address": n.address, "online": n.online,
-             "samples": n.samples}
+            {
+                "node_id": n.node_id,
+                "stage": n.stage,
+                "address": n.address,
+                "online": n.online,
+                "samples": n.samples,
+            }
             for n in status.nodes
         ],
         "logs": logs,

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up everything and run every check: lint, types, generated-code drift, tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+# The real-broker tests use Debian's mosquitto; install it where we may.
+if ! command -v mosquitto >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing mosquitto for the real-broker tests"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients) >/dev/null
+  else
+    echo "mosquitto is not installed: the real-broker tests will be skipped" >&2
+  fi
+fi
+# mypy resolves `swarmpipe` through this link, since the repository root is the package.
+mkdir -p .build && ln -sfn .. .build/swarmpipe
+echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
+echo "== mypy"; .venv/bin/mypy -p swarmpipe
+echo "== generated protobuf code"; .venv/bin/python scripts/gen_protos.py --check
+echo "== pytest"; .venv/bin/python -m pytest "$@"

@@ -1,0 +1,147 @@
+"""Fixtures shared by the multi-process tests: real daemons on 127.0.0.1, always reaped."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmpipe.ready import poll_until, wait_ready_file
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A model small enough that a 3-stage testnet trains 10 steps in seconds on 2 cores.
+TINY = [
+    "model.n_layers=4",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.context=32",
+    "train.global_batch=16",
+    "train.microbatch=4",
+    "train.lr=0.003",
+]
+
+
+class Procs:
+    """Starts `python -m swarmpipe ...` children in their own sessions and reaps them."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.children: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(
+        self, name: str, *args: str, ready: bool = True
+    ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+        log = self.tmp / f"{name}.log"
+        ready_file = self.tmp / f"{name}.ready.json"
+        cmd = [sys.executable, "-m", "swarmpipe", *args]
+        if ready:
+            cmd += ["--ready-file", str(ready_file)]
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        self.children.append((popen, log))
+        info: dict[str, Any] = {}
+        if ready:
+            try:
+                info = wait_ready_file(ready_file, 60, lambda: popen.poll() is None)
+            except (RuntimeError, TimeoutError) as exc:
+                raise AssertionError(f"{name} did not start: {exc}\n{log.read_text()}") from exc
+        return popen, info
+
+    def coordinator(self, *settings: str, broker: str | None = None) -> str:
+        args = ["coordinator", "--listen", "127.0.0.1:0"]
+        for s in settings:
+            args += ["--set", s]
+        if broker:
+            args += ["--broker", broker]
+        _, info = self.start("coordinator", *args)
+        return f"127.0.0.1:{info['grpc_port']}"
+
+    def node(
+        self, name: str, coordinator: str, *extra: str
+    ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+        return self.start(
+            name,
+            "node",
+            "--coordinator",
+            coordinator,
+            "--node-id",
+            name,
+            "--listen",
+            "127.0.0.1:0",
+            "--threads",
+            "1",
+            *extra,
+        )
+
+    def reap(self) -> None:
+        for popen, _ in self.children:
+            if popen.poll() is None:
+                try:
+                    os.killpg(popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            popen.wait(timeout=30)
+
+
+@pytest.fixture
+def tiny() -> list[str]:
+    """Config overrides for a model small enough to train in seconds."""
+    return list(TINY)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.reap()
+
+
+@pytest.fixture(scope="session")
+def mosquitto() -> Iterator[str]:
+    """A real mosquitto broker on a free loopback port."""
+    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    if not Path(binary).exists():
+        pytest.skip("mosquitto is not installed (scripts/test.sh installs it as root)")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = Path(f"/tmp/swarmpipe-mosquitto-{os.getpid()}.conf")
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    popen = subprocess.Popen(
+        [binary, "-c", str(conf)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+
+        def accepting() -> bool:
+            with socket.socket() as c:
+                return c.connect_ex(("127.0.0.1", port)) == 0
+
+        poll_until(accepting, 10, "mosquitto to accept connections")
+        yield f"mqtt://127.0.0.1:{port}"
+    finally:
+        popen.terminate()
+        popen.wait(timeout=10)
+        conf.unlink(missing_ok=True)

@@ -1,0 +1,63 @@
+"""The pipeline trains like one process: the real testnet against the single-process baseline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmpipe.config import load_config
+from swarmpipe.model.reference import train_single_process
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def run_testnet(out: Path, tiny: list[str], steps: int, *settings: str, nodes: int = 3) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--nodes", str(nodes),
+           "--stages", "3", "--steps", str(steps), "--out", str(out)]
+    for s in [*tiny, *settings]:
+        cmd += ["--set", s]
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        output, _ = popen.communicate(timeout=500)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    text = output.decode(errors="replace")
+    assert popen.returncode == 0, text
+    assert f"report: {out / 'report.json'}" in text
+    report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    return report
+
+
+def test_lossless_pipeline_matches_single_process(tmp_path: Path, tiny: list[str]) -> None:
+    report = run_testnet(tmp_path, tiny, 10)
+    baseline = train_single_process(load_config(None, [*tiny, "train.steps=10"]))
+    losses = [s["loss"] for s in report["steps"]]
+    assert len(losses) == 10
+    for step, (got, want) in enumerate(zip(losses, baseline, strict=True)):
+        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
+    c = report["counters"]
+    assert c["lost"] == 0 and c["committed"] == 10 * 16 and c["outstanding"] == 0
+    # Every hop carried activations down and gradients up, losslessly.
+    directions = {(link["direction"], link["codec"]) for link in report["links"]}
+    assert directions == {("activation", "lossless"), ("gradient", "lossless")}
+
+
+def test_int8_pipeline_stays_within_three_percent_after_50_steps(tmp_path: Path, tiny: list[str]) -> None:
+    report = run_testnet(tmp_path, tiny, 50, "pipeline.activation_codec=int8",
+                         "pipeline.gradient_codec=int8")
+    baseline = train_single_process(load_config(None, [*tiny, "train.steps=50"]))
+    got, want = report["steps"][-1]["loss"], baseline[-1]
+    assert baseline[-1] < baseline[0] * 0.8, "the baseline did not learn; the test means nothing"
+    assert abs(got - want) / want < 0.03, f"int8 loss {got} vs lossless {want}"
+    assert {link["codec"] for link in report["links"]} == {"int8"}
+    assert report["counters"]["lost"] == 0

@@ -1,0 +1,186 @@
+"""A real node daemon against a real coordinator: bad input, exit codes, real gRPC and MQTT clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from swarmpipe.compression import encode_tensor, iter_chunks
+from swarmpipe.mqtt_bus import parse_broker_url
+from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from swarmpipe.ready import poll_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+CONTEXT, WIDTH = 32, 32
+
+
+@pytest.fixture
+def last_stage(procs, tiny):  # type: ignore[no-untyped-def]
+    """A 2-stage run whose head was killed: the stage-1 node keeps serving at a fixed step."""
+    coordinator = procs.coordinator(*tiny, "pipeline.stages=2", "train.steps=1000")
+    head, _ = procs.node("n0", coordinator)
+    _, info = procs.node("n1", coordinator)
+    os.killpg(head.pid, signal.SIGKILL)
+    channel = grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}")
+    stub = stage_pb2_grpc.StageStub(channel)
+    poll_until(lambda: _info_or_none(stub), 30, "the stage-1 node to serve")
+    yield stub, info
+    channel.close()
+
+
+def _info_or_none(stub: stage_pb2_grpc.StageStub) -> stage_pb2.StageInfoReply | None:
+    try:
+        return stub.Info(stage_pb2.StageInfoRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+
+
+def _messages(
+    step: int, x: torch.Tensor, *, count: int = 2, codec: str = "lossless",
+    mangle: str = "",
+) -> list[stage_pb2.ForwardMessage]:
+    labels = np.zeros((count, CONTEXT), dtype="<i4").tobytes()
+    header = stage_pb2.MicrobatchHeader(
+        microbatch_id=f"test-{time.monotonic_ns()}", step=step, sample_count=count,
+        labels=labels, context=CONTEXT, hop=1, sender_node="test", origin_node="test",
+    )
+    tensor_header, payload = encode_tensor(x, codec)
+    chunks = list(iter_chunks(payload))
+    if mangle == "truncate":
+        chunks = [chunks[0][: len(chunks[0]) // 2]]
+    elif mangle == "extra":
+        chunks.append(b"\x00" * 64)
+    elif mangle == "crc":
+        chunks = [bytes([chunks[0][0] ^ 0xFF]) + chunks[0][1:]]
+    return [
+        stage_pb2.ForwardMessage(microbatch=header),
+        stage_pb2.ForwardMessage(tensor=tensor_header),
+        *[stage_pb2.ForwardMessage(chunk=tensor_pb2.TensorChunk(data=c)) for c in chunks],
+    ]
+
+
+def _call(stub: stage_pb2_grpc.StageStub, messages: list[stage_pb2.ForwardMessage]) -> list[stage_pb2.BackwardMessage]:
+    return list(stub.Forward(iter(messages), timeout=30))
+
+
+BAD_INPUTS = {
+    "truncated chunk": (lambda: torch.randn(2, CONTEXT, WIDTH), "truncate", "tensor bytes"),
+    "bytes past the header": (lambda: torch.randn(2, CONTEXT, WIDTH), "extra", "bytes"),
+    "corrupted chunk": (lambda: torch.randn(2, CONTEXT, WIDTH), "crc", "crc"),
+    "wrong shape": (lambda: torch.randn(2, CONTEXT, WIDTH + 1), "", "shape"),
+    "wrong dtype": (lambda: torch.zeros(2, CONTEXT, WIDTH, dtype=torch.int64), "", "dtype"),
+    "NaN": (lambda: torch.full((2, CONTEXT, WIDTH), float("nan")), "", "NaN"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_invalid_argument_and_the_node_keeps_serving(last_stage, case: str) -> None:  # type: ignore[no-untyped-def]
+    stub, _ = last_stage
+    make, mangle, words = BAD_INPUTS[case]
+    step = stub.Info(stage_pb2.StageInfoRequest(), timeout=5).step
+    with pytest.raises(grpc.RpcError) as err:
+        _call(stub, _messages(step, make(), mangle=mangle))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words.lower() in (err.value.details() or "").lower(), err.value.details()
+    # Still serving: a well-formed microbatch gets its gradient back.
+    replies = _call(stub, _messages(step, torch.randn(2, CONTEXT, WIDTH)))
+    kinds = [r.WhichOneof("kind") for r in replies]
+    assert kinds[0] == "tensor" and kinds[-1] == "result"
+    assert replies[-1].result.tokens == 2 * CONTEXT
+
+
+def test_malformed_message_order_is_invalid_argument(last_stage) -> None:  # type: ignore[no-untyped-def]
+    stub, _ = last_stage
+    chunk_first = [stage_pb2.ForwardMessage(chunk=tensor_pb2.TensorChunk(data=b"x"))]
+    with pytest.raises(grpc.RpcError) as err:
+        _call(stub, chunk_first)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    huge = tensor_pb2.TensorHeader(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1 << 40],
+                                   codec=tensor_pb2.CODEC_LOSSLESS, payload_bytes=1 << 42)
+    msgs = _messages(0, torch.randn(2, CONTEXT, WIDTH))[:1] + [stage_pb2.ForwardMessage(tensor=huge)]
+    with pytest.raises(grpc.RpcError) as err:
+        _call(stub, msgs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_grpcurl_sees_health_and_reflection(last_stage) -> None:  # type: ignore[no-untyped-def]
+    _, info = last_stage
+    grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    target = f"127.0.0.1:{info['grpc_port']}"
+    listed = subprocess.run([grpcurl, "-plaintext", target, "list"], capture_output=True,
+                            text=True, timeout=30, check=True).stdout.split()
+    assert "swarmpipe.v1.Stage" in listed and "grpc.health.v1.Health" in listed
+    health = subprocess.run([grpcurl, "-plaintext", "-d", '{"service": "swarmpipe.v1.Stage"}',
+                             target, "grpc.health.v1.Health/Check"], capture_output=True,
+                            text=True, timeout=30, check=True).stdout
+    assert json.loads(health)["status"] == "SERVING"
+    described = subprocess.run([grpcurl, "-plaintext", target, "describe", "swarmpipe.v1.Stage"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "rpc Forward ( stream .swarmpipe.v1.ForwardMessage )" in described
+
+
+def test_node_exits_with_one_line_when_coordinator_is_unreachable(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "swarmpipe", "node", "--coordinator", f"127.0.0.1:{port}",
+         "--join-timeout", "2", "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 3
+    errors = [line for line in done.stderr.splitlines() if "swarmpipe node" in line]
+    assert len(errors) == 1 and "cannot reach the coordinator" in errors[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "swarmpipe", "coordinator", "--set", "train.stepz=3"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert "unknown config key(s) stepz in [train]" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_presence_is_visible_to_a_third_party_mqtt_client(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    import paho.mqtt.client as paho
+
+    _, coord = procs.start("coordinator", "coordinator", "--listen", "127.0.0.1:0",
+                           *sum((["--set", s] for s in tiny), []), "--set", "train.steps=1000")
+    broker = parse_broker_url(coord["broker_url"])
+    seen: dict[str, list[bool]] = {}
+
+    def on_message(client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
+        if msg.topic.startswith("swarmpipe/testnet/presence/"):
+            p = control_pb2.Presence.FromString(msg.payload)
+            seen.setdefault(p.node_id, []).append(p.online)
+
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="third-party")
+    client.on_message = on_message
+    client.connect(broker.host, broker.port)
+    client.subscribe("swarmpipe/testnet/presence/+", qos=1)
+    client.loop_start()
+    try:
+        node, _ = procs.node("watched", f"127.0.0.1:{coord['grpc_port']}")
+        poll_until(lambda: seen.get("watched") == [True], 30, "the node's online presence")
+        os.killpg(node.pid, signal.SIGKILL)  # no goodbye: only the Last Will can tell
+        poll_until(lambda: seen.get("watched") == [True, False], 30, "the node's Last Will")
+    finally:
+        client.loop_stop()
+        client.disconnect()
