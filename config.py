@@ -35,6 +35,16 @@ def codec_enum(name: str) -> int:
     return tensor_pb2.Codec.Value(_CODEC_ENUMS[name])
 
 
+def codec_name(value: int) -> str:
+    """The config name of a tensor_pb2.Codec value ('unknown' for one we do not know)."""
+    from swarmpipe.protos import tensor_pb2
+
+    for name, enum_name in _CODEC_ENUMS.items():
+        if tensor_pb2.Codec.Value(enum_name) == value:
+            return name
+    return "unknown"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """The GPT-style decoder, or a user factory that returns the model as a list of layers."""

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 import aiomqtt
 import grpc
 
-from swarmpipe.config import RunConfig, codec_enum
+from swarmpipe.config import RunConfig, codec_enum, codec_name
 from swarmpipe.coordinator.membership import Membership
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.mqtt_bus import BrokerAddress, Topics, make_client
@@ -263,7 +263,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         src_node=m.node_id,
                         dst_node=link.peer,
                         direction=link.direction,
-                        codec=_codec_name(link.codec),
+                        codec=codec_name(link.codec),
                         bytes=link.bytes,
                         tensors=link.tensors,
                     )
@@ -330,16 +330,3 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         await self._publish_plan()
         await self._after_change()
-
-
-def _codec_name(codec: int) -> str:
-    from swarmpipe.protos import tensor_pb2
-
-    name = tensor_pb2.Codec.Name(codec) if codec in tensor_pb2.Codec.values() else "unknown"
-    return name.removeprefix("CODEC_").lower()
-
-
-async def call_periodically(interval: float, fn: Callable[[], Awaitable[None]]) -> None:
-    while True:
-        await asyncio.sleep(interval)
-        await fn()

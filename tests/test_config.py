@@ -1,0 +1,58 @@
+"""Run config: TOML and --set overrides into frozen dataclasses; unknown keys are errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarmpipe.config import RunConfig, codec_enum, codec_name, load_config
+from swarmpipe.errors import ConfigError
+
+
+def test_defaults_need_no_file() -> None:
+    config = load_config()
+    assert config.pipeline.stages == 3 and config.train.steps == 50
+
+
+def test_toml_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('run_id = "exp1"\n[train]\nsteps = 7\n[data]\npaths = ["a.txt"]\n')
+    config = load_config(path, ["train.lr=0.01", "pipeline.activation_codec=int8"])
+    assert config.run_id == "exp1" and config.train.steps == 7 and config.train.lr == 0.01
+    assert config.data.paths == ("a.txt",) and config.pipeline.activation_codec == "int8"
+    assert RunConfig.from_json(config.to_json()) == config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.stepz=3"], "unknown config key(s) stepz in [train]"),
+        (["modle.n_layers=3"], "unknown config key(s) modle"),
+        (["train.steps=abc"], "train.steps must be int"),
+        (["model.n_heads=3"], "must divide"),
+        (["pipeline.activation_codec=zip"], "is not one of"),
+        (["train.microbatch=64", "train.global_batch=8"], "exceeds"),
+        (["pipeline.stages=99"], "exceeds the model"),
+        (["steps"], "must look like section.key=value"),
+    ],
+)
+def test_bad_config_is_a_clear_error(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_missing_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_codec_names_round_trip() -> None:
+    for name in ("lossless", "fp16", "bf16", "int8"):
+        assert codec_name(codec_enum(name)) == name
+    assert codec_name(999) == "unknown"

@@ -1,0 +1,113 @@
+"""`swarmpipe testnet` as a user runs it: progress, a report, and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarmpipe.ready import poll_until, read_ready_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _start(out: Path, tiny: list[str], *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--out", str(out), *extra]
+    for s in tiny:
+        cmd += ["--set", s]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _child_pids(out: Path) -> list[int]:
+    pids = []
+    for ready in (out / "logs").glob("*.ready.json"):
+        data = read_ready_file(ready)
+        if data:
+            pids.append(int(data["pid"]))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes; its parent (the testnet) is gone too.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _finish(popen: subprocess.Popen[str], timeout: float = 240) -> str:
+    try:
+        output, _ = popen.communicate(timeout=timeout)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    return output
+
+
+def test_testnet_trains_reports_and_leaves_nothing(tmp_path: Path, tiny: list[str]) -> None:
+    popen = _start(tmp_path, tiny, "--steps", "4", "--nodes", "3")
+    output = _finish(popen)
+    assert popen.returncode == 0, output
+    assert "samples/s" in output and "loss" in output  # live progress was shown
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["steps"]) == 4 and report["counters"]["lost"] == 0
+    assert all(s["samples_per_second"] > 0 for s in report["steps"])
+    assert {m["stage"] for m in report["members"]} == {0, 1, 2}
+    assert report["links"] and all(link["bytes"] > 0 for link in report["links"])
+    pids = _child_pids(tmp_path)
+    assert len(pids) == 4
+    poll_until(lambda: not any(_alive(p) for p in pids), 10, "every child to exit")
+
+
+def test_a_crashed_child_stops_the_whole_testnet(tmp_path: Path, tiny: list[str]) -> None:
+    popen = _start(tmp_path, tiny, "--steps", "100000", "--nodes", "3")
+    poll_until(lambda: len(_child_pids(tmp_path)) == 4, 120, "every child to start")
+    node = read_ready_file(tmp_path / "logs" / "n1.ready.json")
+    assert node is not None
+    os.kill(int(node["pid"]), signal.SIGKILL)
+    output = _finish(popen)
+    assert popen.returncode == 1, output
+    assert "n1 exited with code -9" in output
+    pids = _child_pids(tmp_path)
+    poll_until(lambda: not any(_alive(p) for p in pids), 20, "every child to be stopped")
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path, tiny: list[str]) -> None:
+    popen = _start(tmp_path, tiny, "--steps", "100000", "--nodes", "3")
+    poll_until(lambda: len(_child_pids(tmp_path)) == 4, 120, "every child to start")
+    os.kill(popen.pid, signal.SIGINT)
+    output = _finish(popen)
+    assert popen.returncode == 130, output
+    pids = _child_pids(tmp_path)
+    poll_until(lambda: not any(_alive(p) for p in pids), 20, "every child to be stopped")
+
+
+def test_testnet_runs_on_an_external_mosquitto_broker(
+    tmp_path: Path, tiny: list[str], mosquitto: str
+) -> None:
+    popen = _start(tmp_path, tiny, "--steps", "3", "--nodes", "3", "--broker", mosquitto)
+    output = _finish(popen)
+    assert popen.returncode == 0, output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["steps"]) == 3 and report["counters"]["lost"] == 0
+    coordinator_log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert mosquitto in coordinator_log and "embedded MQTT broker" not in coordinator_log
+
+
+def test_too_few_nodes_is_a_clear_error(tmp_path: Path, tiny: list[str]) -> None:
+    popen = _start(tmp_path, tiny, "--nodes", "2", "--stages", "3")
+    output = _finish(popen, 60)
+    assert popen.returncode == 2
+    assert "--nodes 2 cannot cover 3 stages" in output
