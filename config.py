@@ -197,7 +197,8 @@ class RunConfig:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"run spec is not valid JSON: {exc}") from exc
-        return _build(cls, raw, "")
+        built: RunConfig = _build(cls, raw, "")
+        return built
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
@@ -273,4 +274,5 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             if not isinstance(table, dict):
                 raise ConfigError(f"--set {item!r}: {k} is not a section")
         table[keys[-1]] = value
-    return _build(RunConfig, raw, "")
+    config: RunConfig = _build(RunConfig, raw, "")
+    return config

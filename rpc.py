@@ -54,7 +54,7 @@ def bind(server: grpc.aio.Server, listen: str) -> int:
     port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen}: the address is in use or invalid")
-    return port
+    return int(port)
 
 
 def open_channel(target: str) -> grpc.aio.Channel:

@@ -22,10 +22,18 @@ from swarmpipe.config import CODEC_NAMES, load_config
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per measurement")
     parser.add_argument("--nodes", type=int, default=3, help="testnet nodes")
-    parser.add_argument("--codecs", default=",".join(CODEC_NAMES),
-                        help="comma-separated codecs to run the testnet with")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value (applies to both sides)")
+    parser.add_argument(
+        "--codecs",
+        default=",".join(CODEC_NAMES),
+        help="comma-separated codecs to run the testnet with",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (applies to both sides)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--out", help="write the JSON here too")
 
@@ -44,17 +52,39 @@ def single_process(overrides: list[str], steps: int) -> dict[str, Any]:
     losses = train_single_process(config, steps=steps)
     seconds = time.perf_counter() - start
     samples = steps * config.train.global_batch
-    return {"samples_per_second": samples / seconds, "seconds": seconds,
-            "final_loss": losses[-1], "torch_threads": torch.get_num_threads()}
+    return {
+        "samples_per_second": samples / seconds,
+        "seconds": seconds,
+        "final_loss": losses[-1],
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
-def testnet(overrides: list[str], steps: int, nodes: int, codec: str, threads: int) -> dict[str, Any]:
+def testnet(
+    overrides: list[str], steps: int, nodes: int, codec: str, threads: int
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-") as tmp:
-        cmd = [sys.executable, "-m", "swarmpipe", "--log-level", "WARNING", "testnet",
-               "--quiet", "--nodes", str(nodes), "--steps", str(steps), "--out", tmp,
-               "--threads", str(threads),
-               "--set", f"pipeline.activation_codec={codec}",
-               "--set", f"pipeline.gradient_codec={codec}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "swarmpipe",
+            "--log-level",
+            "WARNING",
+            "testnet",
+            "--quiet",
+            "--nodes",
+            str(nodes),
+            "--steps",
+            str(steps),
+            "--out",
+            tmp,
+            "--threads",
+            str(threads),
+            "--set",
+            f"pipeline.activation_codec={codec}",
+            "--set",
+            f"pipeline.gradient_codec={codec}",
+        ]
         for item in overrides:
             cmd += ["--set", item]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
@@ -87,10 +117,14 @@ def serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown codec {codec!r}; choose from {', '.join(CODEC_NAMES)}")
     config = load_config(None, args.set)
     result: dict[str, Any] = {
-        "model": {"n_layers": config.model.n_layers, "d_model": config.model.d_model,
-                  "context": config.model.context, "stages": config.pipeline.stages,
-                  "global_batch": config.train.global_batch,
-                  "microbatch": config.train.microbatch},
+        "model": {
+            "n_layers": config.model.n_layers,
+            "d_model": config.model.d_model,
+            "context": config.model.context,
+            "stages": config.pipeline.stages,
+            "global_batch": config.train.global_batch,
+            "microbatch": config.train.microbatch,
+        },
         "steps": args.steps,
         "single_process": single_process(args.set, args.steps),
         "testnet": {},

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 import aiomqtt
 import grpc
@@ -142,6 +141,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {request.node_id!r} is not a joined stage-0 node; only heads lease samples",
             )
+        assert member is not None  # abort() raised otherwise
         deadline = time.monotonic() + min(max(request.wait_seconds, 0.0), MAX_LEASE_WAIT_S)
         Reply = coordinator_pb2.LeaseReply
         while True:
@@ -208,6 +208,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         member = self.membership.members.get(request.node_id)
         if member is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id!r}")
+        assert member is not None  # abort() raised otherwise
         member.drained = True
         requeued = self.protocol.node_lost(request.node_id)
         logger.info("node %s drained; %d samples requeued", request.node_id, requeued)
@@ -325,8 +326,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             requeued = self.protocol.node_lost(node_id)
             level = logging.INFO if self.protocol.phase is Phase.DONE else logging.WARNING
             logger.log(
-                level, "node %s offline (stage %d); %d samples requeued",
-                node_id, member.stage, requeued,
+                level,
+                "node %s offline (stage %d); %d samples requeued",
+                node_id,
+                member.stage,
+                requeued,
             )
         await self._publish_plan()
         await self._after_change()

@@ -30,7 +30,8 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         positions = torch.arange(t, device=tokens.device)
-        return self.tok(tokens) + self.pos(positions)  # [B, T, D]
+        out: torch.Tensor = self.tok(tokens) + self.pos(positions)  # [B, T, D]
+        return out
 
 
 class Block(nn.Module):
@@ -53,7 +54,8 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))  # [B, T, D]
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))  # [B, T, D]
+        return out
 
 
 class Head(nn.Module):
@@ -65,7 +67,8 @@ class Head(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln(x))
+        logits: torch.Tensor = self.lm_head(self.ln(x))  # [B, T, V]
+        return logits
 
 
 def _init_layer(layer: nn.Module, generator: torch.Generator, n_layers: int) -> None:

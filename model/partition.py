@@ -48,9 +48,7 @@ def _factory_layers(cfg: RunConfig) -> list[nn.Module]:
         or not layers
         or not all(isinstance(x, nn.Module) for x in layers)
     ):
-        raise ConfigError(
-            f"model.factory {spec!r} must return a non-empty list of torch.nn.Module"
-        )
+        raise ConfigError(f"model.factory {spec!r} must return a non-empty list of torch.nn.Module")
     return list(layers)
 
 
@@ -80,5 +78,6 @@ def build_full_model(cfg: RunConfig) -> nn.Sequential:
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over every token: logits [B, T, V], labels [B, T] -> scalar."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                           reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum"
+    )

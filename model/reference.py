@@ -31,7 +31,7 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> list[float
             count = min(t.microbatch, t.global_batch - offset)
             x, y = corpus.samples(base + offset, count)
             loss = token_loss_sum(model(x), y)
-            loss.backward()
+            torch.autograd.backward(loss)
             loss_sum += float(loss.detach())
             tokens += y.numel()
         for p in model.parameters():

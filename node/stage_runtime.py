@@ -97,7 +97,7 @@ class StageRuntime:
     def forward(self, key: str, microbatch_id: str, x: torch.Tensor) -> torch.Tensor:
         """Run the stage and keep the graph under `key` until backward or discard."""
         inputs = self._prepare(x)
-        outputs = self.module(inputs)
+        outputs: torch.Tensor = self.module(inputs)
         self._saved[key] = _Saved(microbatch_id, inputs, outputs)
         return outputs.detach()
 
@@ -130,7 +130,7 @@ class StageRuntime:
     ) -> torch.Tensor | None:
         first_time = saved.microbatch_id not in self._contributed
         if first_time:
-            outputs.backward(grad)
+            torch.autograd.backward(outputs, grad)
             self._contributed.add(saved.microbatch_id)
             tokens = saved.inputs.shape[0] * (saved.inputs.shape[1] if saved.inputs.ndim > 1 else 1)
             self.tokens_accumulated += int(tokens)

@@ -69,8 +69,13 @@ def test_bad_paths_are_data_errors(tmp_path: Path) -> None:
 
 
 def test_reference_training_learns_and_ignores_the_microbatch_cut() -> None:
-    small = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.context=32",
-             "train.global_batch=8"]
+    small = [
+        "model.n_layers=2",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.context=32",
+        "train.global_batch=8",
+    ]
     a = train_single_process(load_config(None, [*small, "train.microbatch=8"]), steps=15)
     b = train_single_process(load_config(None, [*small, "train.microbatch=2"]), steps=15)
     assert a[-1] < a[0] * 0.85

@@ -18,13 +18,29 @@ from swarmpipe.model.reference import train_single_process
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def run_testnet(out: Path, tiny: list[str], steps: int, *settings: str, nodes: int = 3) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--nodes", str(nodes),
-           "--stages", "3", "--steps", str(steps), "--out", str(out)]
+def run_testnet(
+    out: Path, tiny: list[str], steps: int, *settings: str, nodes: int = 3
+) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "swarmpipe",
+        "testnet",
+        "--quiet",
+        "--nodes",
+        str(nodes),
+        "--stages",
+        "3",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
     for s in [*tiny, *settings]:
         cmd += ["--set", s]
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    popen = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         output, _ = popen.communicate(timeout=500)
     finally:
@@ -52,9 +68,12 @@ def test_lossless_pipeline_matches_single_process(tmp_path: Path, tiny: list[str
     assert directions == {("activation", "lossless"), ("gradient", "lossless")}
 
 
-def test_int8_pipeline_stays_within_three_percent_after_50_steps(tmp_path: Path, tiny: list[str]) -> None:
-    report = run_testnet(tmp_path, tiny, 50, "pipeline.activation_codec=int8",
-                         "pipeline.gradient_codec=int8")
+def test_int8_pipeline_stays_within_three_percent_after_50_steps(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    report = run_testnet(
+        tmp_path, tiny, 50, "pipeline.activation_codec=int8", "pipeline.gradient_codec=int8"
+    )
     baseline = train_single_process(load_config(None, [*tiny, "train.steps=50"]))
     got, want = report["steps"][-1]["loss"], baseline[-1]
     assert baseline[-1] < baseline[0] * 0.8, "the baseline did not learn; the test means nothing"

@@ -1,4 +1,4 @@
-"""A real node daemon against a real coordinator: bad input, exit codes, real gRPC and MQTT clients."""
+"""A real node daemon and coordinator: bad input, exit codes, real gRPC and MQTT clients."""
 
 from __future__ import annotations
 
@@ -48,13 +48,23 @@ def _info_or_none(stub: stage_pb2_grpc.StageStub) -> stage_pb2.StageInfoReply | 
 
 
 def _messages(
-    step: int, x: torch.Tensor, *, count: int = 2, codec: str = "lossless",
+    step: int,
+    x: torch.Tensor,
+    *,
+    count: int = 2,
+    codec: str = "lossless",
     mangle: str = "",
 ) -> list[stage_pb2.ForwardMessage]:
     labels = np.zeros((count, CONTEXT), dtype="<i4").tobytes()
     header = stage_pb2.MicrobatchHeader(
-        microbatch_id=f"test-{time.monotonic_ns()}", step=step, sample_count=count,
-        labels=labels, context=CONTEXT, hop=1, sender_node="test", origin_node="test",
+        microbatch_id=f"test-{time.monotonic_ns()}",
+        step=step,
+        sample_count=count,
+        labels=labels,
+        context=CONTEXT,
+        hop=1,
+        sender_node="test",
+        origin_node="test",
     )
     tensor_header, payload = encode_tensor(x, codec)
     chunks = list(iter_chunks(payload))
@@ -71,7 +81,9 @@ def _messages(
     ]
 
 
-def _call(stub: stage_pb2_grpc.StageStub, messages: list[stage_pb2.ForwardMessage]) -> list[stage_pb2.BackwardMessage]:
+def _call(
+    stub: stage_pb2_grpc.StageStub, messages: list[stage_pb2.ForwardMessage]
+) -> list[stage_pb2.BackwardMessage]:
     return list(stub.Forward(iter(messages), timeout=30))
 
 
@@ -107,9 +119,14 @@ def test_malformed_message_order_is_invalid_argument(last_stage) -> None:  # typ
     with pytest.raises(grpc.RpcError) as err:
         _call(stub, chunk_first)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    huge = tensor_pb2.TensorHeader(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1 << 40],
-                                   codec=tensor_pb2.CODEC_LOSSLESS, payload_bytes=1 << 42)
-    msgs = _messages(0, torch.randn(2, CONTEXT, WIDTH))[:1] + [stage_pb2.ForwardMessage(tensor=huge)]
+    huge = tensor_pb2.TensorHeader(
+        dtype=tensor_pb2.DTYPE_FLOAT32,
+        shape=[1 << 40],
+        codec=tensor_pb2.CODEC_LOSSLESS,
+        payload_bytes=1 << 42,
+    )
+    header_only = _messages(0, torch.randn(2, CONTEXT, WIDTH))[:1]
+    msgs = [*header_only, stage_pb2.ForwardMessage(tensor=huge)]
     with pytest.raises(grpc.RpcError) as err:
         _call(stub, msgs)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -119,15 +136,36 @@ def test_grpcurl_sees_health_and_reflection(last_stage) -> None:  # type: ignore
     _, info = last_stage
     grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
     target = f"127.0.0.1:{info['grpc_port']}"
-    listed = subprocess.run([grpcurl, "-plaintext", target, "list"], capture_output=True,
-                            text=True, timeout=30, check=True).stdout.split()
+    listed = subprocess.run(
+        [grpcurl, "-plaintext", target, "list"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.split()
     assert "swarmpipe.v1.Stage" in listed and "grpc.health.v1.Health" in listed
-    health = subprocess.run([grpcurl, "-plaintext", "-d", '{"service": "swarmpipe.v1.Stage"}',
-                             target, "grpc.health.v1.Health/Check"], capture_output=True,
-                            text=True, timeout=30, check=True).stdout
+    health = subprocess.run(
+        [
+            grpcurl,
+            "-plaintext",
+            "-d",
+            '{"service": "swarmpipe.v1.Stage"}',
+            target,
+            "grpc.health.v1.Health/Check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     assert json.loads(health)["status"] == "SERVING"
-    described = subprocess.run([grpcurl, "-plaintext", target, "describe", "swarmpipe.v1.Stage"],
-                               capture_output=True, text=True, timeout=30, check=True).stdout
+    described = subprocess.run(
+        [grpcurl, "-plaintext", target, "describe", "swarmpipe.v1.Stage"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     assert "rpc Forward ( stream .swarmpipe.v1.ForwardMessage )" in described
 
 
@@ -138,9 +176,21 @@ def test_node_exits_with_one_line_when_coordinator_is_unreachable(tmp_path: Path
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     done = subprocess.run(
-        [sys.executable, "-m", "swarmpipe", "node", "--coordinator", f"127.0.0.1:{port}",
-         "--join-timeout", "2", "--listen", "127.0.0.1:0"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "swarmpipe",
+            "node",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--join-timeout",
+            "2",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 3
     errors = [line for line in done.stderr.splitlines() if "swarmpipe node" in line]
@@ -151,7 +201,9 @@ def test_node_exits_with_one_line_when_coordinator_is_unreachable(tmp_path: Path
 def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "swarmpipe", "coordinator", "--set", "train.stepz=3"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2
     assert "unknown config key(s) stepz in [train]" in done.stderr
@@ -161,8 +213,15 @@ def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
 def test_presence_is_visible_to_a_third_party_mqtt_client(procs, tiny) -> None:  # type: ignore[no-untyped-def]
     import paho.mqtt.client as paho
 
-    _, coord = procs.start("coordinator", "coordinator", "--listen", "127.0.0.1:0",
-                           *sum((["--set", s] for s in tiny), []), "--set", "train.steps=1000")
+    _, coord = procs.start(
+        "coordinator",
+        "coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        *[arg for s in tiny for arg in ("--set", s)],
+        "--set",
+        "train.steps=1000",
+    )
     broker = parse_broker_url(coord["broker_url"])
     seen: dict[str, list[bool]] = {}
 

@@ -20,8 +20,9 @@ def _start(out: Path, tiny: list[str], *extra: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--out", str(out), *extra]
     for s in tiny:
         cmd += ["--set", s]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _child_pids(out: Path) -> list[int]:
