@@ -56,3 +56,8 @@ def test_codec_names_round_trip() -> None:
     for name in ("lossless", "fp16", "bf16", "int8"):
         assert codec_name(codec_enum(name)) == name
     assert codec_name(999) == "unknown"
+
+
+def test_the_deploy_example_config_loads() -> None:
+    config = load_config(Path(__file__).resolve().parent.parent / "deploy" / "run.toml")
+    assert config.run_id == "community-gpt" and config.pipeline.activation_codec == "int8"
