@@ -101,6 +101,7 @@ def testnet(
     return {
         "samples_per_second": samples / seconds if seconds else 0.0,
         "final_loss": report["final_loss"],
+        # Summed over every hop of the pipeline (stages - 1 of them), per sample.
         "bytes_per_sample": {
             "activation": by_dir["activation"] / committed,
             "gradient": by_dir["gradient"] / committed,
