@@ -236,10 +236,17 @@ def test_presence_is_visible_to_a_third_party_mqtt_client(procs, tiny) -> None: 
     client.subscribe("swarmpipe/testnet/presence/+", qos=1)
     client.loop_start()
     try:
-        node, _ = procs.node("watched", f"127.0.0.1:{coord['grpc_port']}")
+        target = f"127.0.0.1:{coord['grpc_port']}"
+        node, _ = procs.node("watched", target)
+        polite, _ = procs.node("polite", target)
         poll_until(lambda: seen.get("watched") == [True], 30, "the node's online presence")
         os.killpg(node.pid, signal.SIGKILL)  # no goodbye: only the Last Will can tell
         poll_until(lambda: seen.get("watched") == [True, False], 30, "the node's Last Will")
+        # SIGTERM is a polite stop: the node says goodbye itself and exits 0.
+        poll_until(lambda: seen.get("polite") == [True], 30, "the second node's presence")
+        polite.send_signal(signal.SIGTERM)
+        assert polite.wait(timeout=30) == 0
+        poll_until(lambda: seen.get("polite") == [True, False], 10, "the goodbye presence")
     finally:
         client.loop_stop()
         client.disconnect()
