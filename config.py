@@ -7,6 +7,7 @@ The coordinator owns the run's config and sends it to each node as JSON in JoinR
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import tomllib
@@ -254,6 +255,19 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     except tomllib.TOMLDecodeError:
         value = text  # bare words are strings: --set pipeline.activation_codec=int8
     return key.strip().split("."), value
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, with_file: bool = True) -> None:
+    """The --config and --set flags every command that defines a run takes."""
+    if with_file:
+        parser.add_argument("--config", help="run config (TOML); defaults apply without one")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value; repeatable",
+    )
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarmpipe.config import CODEC_NAMES, load_config
+from swarmpipe.config import CODEC_NAMES, add_config_arguments, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,13 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(CODEC_NAMES),
         help="comma-separated codecs to run the testnet with",
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value (applies to both sides)",
-    )
+    add_config_arguments(parser, with_file=False)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--out", help="write the JSON here too")
 

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 
-from swarmpipe.config import load_config
+from swarmpipe.config import add_config_arguments, load_config
 from swarmpipe.coordinator.broker import EmbeddedBroker
 from swarmpipe.coordinator.service import CoordinatorService
 from swarmpipe.mqtt_bus import BrokerAddress, parse_broker_url
@@ -24,14 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="run config (TOML); defaults apply without one")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value; repeatable",
-    )
+    add_config_arguments(parser)
     parser.add_argument(
         "--listen", default="0.0.0.0:7600", help="host:port of the gRPC API (port 0: any free)"
     )

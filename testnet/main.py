@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from swarmpipe.config import RunConfig, load_config
+from swarmpipe.config import RunConfig, add_config_arguments, load_config
 from swarmpipe.errors import ConfigError, SwarmpipeError
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.ready import wait_ready_file
@@ -40,14 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=3, help="node daemons to start")
     parser.add_argument("--stages", type=int, help="pipeline stages (default: config, 3)")
     parser.add_argument("--steps", type=int, help="optimizer steps (default: config, 50)")
-    parser.add_argument("--config", help="run config (TOML)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value; repeatable",
-    )
+    add_config_arguments(parser)
     parser.add_argument("--out", help="output folder (default: ./testnet-runs/<time>)")
     parser.add_argument("--broker", default="", help="mqtt://host:port of an external broker")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
