@@ -189,7 +189,7 @@ class Testnet:
                     f"{status.phase}, step {status.step}); logs are in {self.out / 'logs'}"
                 )
             total_bytes = sum(link.bytes for link in status.links)
-            if not self.args.quiet and (tty or now >= next_line):
+            if not self.args.quiet and (tty or now >= next_line or status.done):
                 rate = (total_bytes - last_bytes) / max(now - last_time, 1e-9)
                 last_bytes, last_time = total_bytes, now
                 line = progress_line(status, rate)
