@@ -47,6 +47,7 @@ from swarmpipe.rpc import bind, create_server, enable_health_and_reflection, ope
 logger = logging.getLogger(__name__)
 
 TELEMETRY_INTERVAL_S = 1.0
+STATUS_INTERVAL_S = 15.0
 DRAIN_TIMEOUT_S = 30.0
 COORDINATOR_RETRY_S = 60.0
 
@@ -246,6 +247,8 @@ class NodeDaemon:
                     self._spawn(self._head.run())
                 await self._stop.wait()
                 await self._drain()
+                useful = max(time.monotonic() - self.started_at, 1e-9)
+                logger.info("leaving: %s", self.status_line(self.samples_processed / useful))
                 await self._cancel_tasks()
                 # A last report, so counters of a short run are not lost between ticks.
                 await client.publish(
@@ -362,12 +365,27 @@ class NodeDaemon:
         topic = self._topics.telemetry(self.node_id)
         last_samples, last_time = 0, time.monotonic()
         rate = 0.0
+        next_status = time.monotonic() + STATUS_INTERVAL_S
         while True:
             await asyncio.sleep(TELEMETRY_INTERVAL_S)
             now = time.monotonic()
             rate = 0.5 * rate + 0.5 * (self.samples_processed - last_samples) / (now - last_time)
             last_samples, last_time = self.samples_processed, now
             await client.publish(topic, self._telemetry(rate).SerializeToString(), qos=0)
+            if now >= next_status:
+                next_status = now + STATUS_INTERVAL_S
+                logger.info("%s", self.status_line(rate))
+
+    def status_line(self, rate: float) -> str:
+        """The volunteer's one-line view: stage, throughput, traffic, time spent useful."""
+        useful = time.monotonic() - self.started_at
+        step = self.runtime.step if self.runtime else 0
+        return (
+            f"stage {self.stage} | step {step} | {rate:.1f} samples/s | "
+            f"up {self.stats.total_bytes() / 1e6:.1f} MB down "
+            f"{self.stats.received_bytes / 1e6:.1f} MB | {self.samples_processed} samples "
+            f"in {useful / 60:.1f} min"
+        )
 
     def _telemetry(self, rate: float) -> control_pb2.Telemetry:
         return control_pb2.Telemetry(

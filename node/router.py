@@ -110,7 +110,7 @@ class Router:
                 if kind == "tensor":
                     if reader is not None:
                         raise PeerError("peer sent a second gradient header")
-                    reader = TensorReader(message.tensor)
+                    reader = TensorReader(message.tensor, self.stats)
                 elif kind == "chunk":
                     if reader is None:
                         raise PeerError("peer sent gradient bytes before their header")

@@ -23,7 +23,7 @@ from swarmpipe.compression import get_codec
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError
-from swarmpipe.node.transport import TensorReader, encode
+from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ MAX_SAMPLES_PER_MICROBATCH = 4096
 
 
 async def read_forward_request(
-    requests: AsyncIterator[stage_pb2.ForwardMessage],
+    requests: AsyncIterator[stage_pb2.ForwardMessage], stats: LinkStats | None = None
 ) -> tuple[stage_pb2.MicrobatchHeader, torch.Tensor]:
     """Read the header, tensor header and chunks of one Forward call, in that order."""
     header: stage_pb2.MicrobatchHeader | None = None
@@ -51,7 +51,7 @@ async def read_forward_request(
                 raise PeerError("the tensor header came before the microbatch header")
             if reader is not None:
                 raise PeerError("the call carries a second tensor header")
-            reader = TensorReader(message.tensor)
+            reader = TensorReader(message.tensor, stats)
         elif kind == "chunk":
             if reader is None:
                 raise PeerError("tensor bytes came before the tensor header")
@@ -102,7 +102,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still starting")
         assert runtime is not None and d.config is not None
         try:
-            header, activation = await read_forward_request(request_iterator)
+            header, activation = await read_forward_request(request_iterator, d.stats)
             if header.hop != d.stage:
                 raise PeerError(f"microbatch is for stage {header.hop}; this node serves {d.stage}")
             if not 1 <= header.sample_count <= MAX_SAMPLES_PER_MICROBATCH:

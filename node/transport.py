@@ -42,14 +42,17 @@ async def encode(tensor: torch.Tensor, codec: int, block_size: int) -> EncodedTe
 class TensorReader:
     """Collects one tensor from a header and chunk messages; bounded by the header."""
 
-    def __init__(self, header: tensor_pb2.TensorHeader) -> None:
+    def __init__(self, header: tensor_pb2.TensorHeader, stats: LinkStats | None = None) -> None:
         # TensorAssembler checks the header (sizes, codec, dtype) before any
         # payload is buffered, so a hostile header costs nothing.
         self._assembler = TensorAssembler(header, max_bytes=MAX_TENSOR_BYTES)
         self.header = header
+        self._stats = stats
 
     def add(self, data: bytes) -> None:
         self._assembler.add(data)
+        if self._stats is not None:
+            self._stats.add_received(len(data))
 
     @property
     def complete(self) -> bool:
@@ -70,6 +73,11 @@ class LinkStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str, int], list[int]] = defaultdict(lambda: [0, 0])
+        self.received_bytes = 0
+
+    def add_received(self, nbytes: int) -> None:
+        with self._lock:
+            self.received_bytes += nbytes
 
     def record(self, peer: str, direction: str, codec: int, nbytes: int) -> None:
         with self._lock:
