@@ -140,6 +140,9 @@ class PipelineConfig:
     """Microbatches a head keeps in the pipeline at once."""
     hop_timeout_s: float = 120.0
     """Upper bound on one hop's call, downstream included. A failed hop is retried."""
+    reduce_timeout_s: float = 60.0
+    """How long a replica waits for the others' gradients at a step's end before
+    dropping the missing ones (a replica whose Last Will fired is dropped at once)."""
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -152,6 +155,8 @@ class PipelineConfig:
                 )
         if self.int8_block_size < 1:
             raise ConfigError("pipeline.int8_block_size must be >= 1")
+        if self.hop_timeout_s <= 0 or self.reduce_timeout_s <= 0:
+            raise ConfigError("pipeline.hop_timeout_s and reduce_timeout_s must be positive")
         if self.in_flight < 1:
             raise ConfigError("pipeline.in_flight must be >= 1")
 

@@ -21,6 +21,8 @@ class Member:
     online: bool = False
     drained: bool = False
     telemetry: control_pb2.Telemetry | None = None
+    last_step: int = -1
+    param_digest: str = ""
 
 
 @dataclass(slots=True)

@@ -191,6 +191,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def StepDone(
         self, request: coordinator_pb2.StepDoneRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.StepDoneReply:
+        member = self.membership.members.get(request.node_id)
+        if member is not None and request.param_digest:
+            member.last_step, member.param_digest = request.step, request.param_digest
         if self.protocol.ack(request.node_id, request.step):
             logger.info("step %d applied on every node", request.step)
             await self._publish_step()
@@ -256,6 +259,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     online=m.online and not m.drained,
                     samples=t.samples if t else 0,
                     samples_per_second=t.samples_per_second if t else 0.0,
+                    last_step=max(m.last_step, 0),
+                    param_digest=m.param_digest,
                 )
             )
             for link in t.links if t else ():

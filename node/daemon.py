@@ -30,6 +30,7 @@ from swarmpipe.logs import set_log_identity
 from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.head import Head
+from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
 from swarmpipe.node.stage_runtime import StageRuntime
@@ -107,6 +108,8 @@ class NodeDaemon:
         self._topics: Topics | None = None
         self._head: Head | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._applying: set[int] = set()
+        self.replica_sync = ReplicaSync(self)
 
     # -- coordinator calls ----------------------------------------------
 
@@ -353,11 +356,29 @@ class NodeDaemon:
     async def _apply(self, step: int) -> None:
         runtime = self.runtime
         assert runtime is not None
-        samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step))
-        logger.info("applied step %d (%d samples)", step, samples)
+        if step in self._applying:
+            return  # MQTT delivers at least once: this APPLY is already being handled
+        self._applying.add(step)
+        reduced, replicas = await self.replica_sync.reduce(step)
+        samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
+        digest = await self.compute.run(BACKWARD, runtime.parameter_digest)
+        logger.info(
+            "applied step %d (%d samples, %d replica%s, params %s)",
+            step,
+            samples,
+            replicas,
+            "" if replicas == 1 else "s",
+            digest,
+        )
         await self.call_coordinator(
             "StepDone",
-            coordinator_pb2.StepDoneRequest(node_id=self.node_id, step=step, samples=samples),
+            coordinator_pb2.StepDoneRequest(
+                node_id=self.node_id,
+                step=step,
+                samples=samples,
+                param_digest=digest,
+                replicas=replicas,
+            ),
         )
 
     async def _telemetry_loop(self, client: aiomqtt.Client) -> None:

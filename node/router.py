@@ -72,7 +72,7 @@ class Router:
         weights = [max(r.weight, 1e-6) / (1 + self._in_flight[r.node_id]) for r in replicas]
         return self._rng.choices(replicas, weights=weights)[0]
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = open_channel(address)
@@ -93,7 +93,7 @@ class Router:
         replica = self.pick(stage)
         peer = replica.node_id
         encoded = await encode(activation, codec, block_size)
-        stub = stage_pb2_grpc.StageStub(self._channel(replica.address))
+        stub = stage_pb2_grpc.StageStub(self.channel(replica.address))
         self._in_flight[peer] += 1
         try:
             call = stub.Forward(timeout=timeout)

@@ -91,6 +91,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             in_flight=d.in_flight,
         )
 
+    async def Reduce(
+        self,
+        request_iterator: AsyncIterator[stage_pb2.ReduceMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> stage_pb2.ReduceReply:
+        try:
+            return await self.daemon.replica_sync.receive(request_iterator)
+        except (PeerError, CodecError) as exc:
+            logger.warning("refused a gradient for the reduce: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # unreachable: abort raises
+
     async def Forward(
         self,
         request_iterator: AsyncIterator[stage_pb2.ForwardMessage],

@@ -14,6 +14,7 @@ ran), the repeat only computes the input gradient the sender needs.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -150,25 +151,57 @@ class StageRuntime:
     def saved_count(self) -> int:
         return len(self._saved)
 
-    def apply_step(self, step: int) -> int:
-        """Average the accumulated gradients, step AdamW, and move to step+1.
+    def local_gradient(self) -> tuple[torch.Tensor, int, int]:
+        """This replica's gradient sum as one flat fp32 vector, with its token and sample counts."""
+        flat = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                for p in self.module.parameters()
+            ]
+        )
+        return flat, self.tokens_accumulated, self.samples_accumulated
 
+    @property
+    def n_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    def apply_step(self, step: int, reduced: tuple[torch.Tensor, int, int] | None = None) -> int:
+        """Average the gradients, step AdamW, and move to step+1.
+
+        `reduced` is the (flat gradient sum, tokens, samples) over every replica
+        of the stage, summed in the same order on each, so replicas take
+        bit-identical steps; None means this replica is the stage's only one.
         Returns the samples that contributed. Idempotent per step, so a repeated
         APPLY announcement (MQTT delivers at least once) steps only once.
         """
         if step != self.step:
             return self.samples_accumulated
-        if self.tokens_accumulated:
-            scale = 1.0 / self.tokens_accumulated
+        if reduced is not None:
+            flat, tokens, samples = reduced
+            offset = 0
+            for p in self.module.parameters():
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
+                offset += n
+        else:
+            tokens, samples = self.tokens_accumulated, self.samples_accumulated
+        if tokens:
+            scale = 1.0 / tokens
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        samples = self.samples_accumulated
         self.tokens_accumulated = 0
         self.samples_accumulated = 0
         self._contributed.clear()
         self._saved.clear()
         self.step = step + 1
         return samples
+
+    def parameter_digest(self) -> str:
+        """A short hash of the parameters: equal on replicas that stayed in step."""
+        h = hashlib.sha256()
+        for p in self.module.parameters():
+            h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]

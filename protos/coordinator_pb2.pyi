@@ -252,20 +252,28 @@ class StepDoneRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    PARAM_DIGEST_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     step: _builtins.int
     samples: _builtins.int
-    """samples this node accumulated in the step"""
+    """samples in the step's (reduced) gradient"""
+    param_digest: _builtins.str
+    """hash of the stage's parameters after the step"""
+    replicas: _builtins.int
+    """replicas whose gradients were reduced"""
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         step: _builtins.int = ...,
         samples: _builtins.int = ...,
+        param_digest: _builtins.str = ...,
+        replicas: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "samples", b"samples", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "param_digest", b"param_digest", "replicas", b"replicas", "samples", b"samples", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -414,12 +422,18 @@ class NodeRecord(_message.Message):
     ONLINE_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    LAST_STEP_FIELD_NUMBER: _builtins.int
+    PARAM_DIGEST_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     address: _builtins.str
     online: _builtins.bool
     samples: _builtins.int
     samples_per_second: _builtins.float
+    last_step: _builtins.int
+    """the last step this node applied"""
+    param_digest: _builtins.str
+    """its parameters' hash after that step"""
     def __init__(
         self,
         *,
@@ -429,10 +443,12 @@ class NodeRecord(_message.Message):
         online: _builtins.bool = ...,
         samples: _builtins.int = ...,
         samples_per_second: _builtins.float = ...,
+        last_step: _builtins.int = ...,
+        param_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "node_id", b"node_id", "online", b"online", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

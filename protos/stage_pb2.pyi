@@ -172,6 +172,84 @@ class BackwardMessage(_message.Message):
 Global___BackwardMessage: _TypeAlias = BackwardMessage  # noqa: Y015
 
 @_typing.final
+class ReduceHeader(_message.Message):
+    """One replica's gradient sum for a step, sent to every other replica of its
+    stage: a header, then the flattened gradient as a tensor (header + chunks).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    SENDER_NODE_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    sender_node: _builtins.str
+    tokens: _builtins.int
+    """tokens the gradient sum came from"""
+    samples: _builtins.int
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        sender_node: _builtins.str = ...,
+        tokens: _builtins.int = ...,
+        samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples", "sender_node", b"sender_node", "step", b"step", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReduceHeader: _TypeAlias = ReduceHeader  # noqa: Y015
+
+@_typing.final
+class ReduceMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    TENSOR_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___ReduceHeader: ...
+    @_builtins.property
+    def tensor(self) -> _tensor_pb2.TensorHeader: ...
+    @_builtins.property
+    def chunk(self) -> _tensor_pb2.TensorChunk: ...
+    def __init__(
+        self,
+        *,
+        header: Global___ReduceHeader | None = ...,
+        tensor: _tensor_pb2.TensorHeader | None = ...,
+        chunk: _tensor_pb2.TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind", "tensor", b"tensor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind", "tensor", b"tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "tensor", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___ReduceMessage: _TypeAlias = ReduceMessage  # noqa: Y015
+
+@_typing.final
+class ReduceReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReduceReply: _TypeAlias = ReduceReply  # noqa: Y015
+
+@_typing.final
 class StageInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -39,6 +39,11 @@ class StageStub:
                 request_serializer=swarmpipe_dot_protos_dot_stage__pb2.ForwardMessage.SerializeToString,
                 response_deserializer=swarmpipe_dot_protos_dot_stage__pb2.BackwardMessage.FromString,
                 _registered_method=True)
+        self.Reduce = channel.stream_unary(
+                '/swarmpipe.v1.Stage/Reduce',
+                request_serializer=swarmpipe_dot_protos_dot_stage__pb2.ReduceMessage.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_stage__pb2.ReduceReply.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/swarmpipe.v1.Stage/Info',
                 request_serializer=swarmpipe_dot_protos_dot_stage__pb2.StageInfoRequest.SerializeToString,
@@ -57,6 +62,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reduce(self, request_iterator, context):
+        """Replicas of a stage exchange their gradient sums at the end of each step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -70,6 +82,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=swarmpipe_dot_protos_dot_stage__pb2.ForwardMessage.FromString,
                     response_serializer=swarmpipe_dot_protos_dot_stage__pb2.BackwardMessage.SerializeToString,
+            ),
+            'Reduce': grpc.stream_unary_rpc_method_handler(
+                    servicer.Reduce,
+                    request_deserializer=swarmpipe_dot_protos_dot_stage__pb2.ReduceMessage.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_stage__pb2.ReduceReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -104,6 +121,33 @@ class Stage:
             '/swarmpipe.v1.Stage/Forward',
             swarmpipe_dot_protos_dot_stage__pb2.ForwardMessage.SerializeToString,
             swarmpipe_dot_protos_dot_stage__pb2.BackwardMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reduce(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/swarmpipe.v1.Stage/Reduce',
+            swarmpipe_dot_protos_dot_stage__pb2.ReduceMessage.SerializeToString,
+            swarmpipe_dot_protos_dot_stage__pb2.ReduceReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,8 @@ class StageStub:
     """One call per microbatch per hop: activations stream in, the gradient for
     them streams back on the same call once everything downstream is done.
     """
+    Reduce: _grpc.StreamUnaryMultiCallable[_stage_pb2.ReduceMessage, _stage_pb2.ReduceReply]
+    """Replicas of a stage exchange their gradient sums at the end of each step."""
     Info: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StageInfoRequest, _stage_pb2.StageInfoReply]
 
 @_typing.type_check_only
@@ -44,6 +46,8 @@ class StageAsyncStub(StageStub):
     """One call per microbatch per hop: activations stream in, the gradient for
     them streams back on the same call once everything downstream is done.
     """
+    Reduce: _aio.StreamUnaryMultiCallable[_stage_pb2.ReduceMessage, _stage_pb2.ReduceReply]  # type: ignore[assignment]
+    """Replicas of a stage exchange their gradient sums at the end of each step."""
     Info: _aio.UnaryUnaryMultiCallable[_stage_pb2.StageInfoRequest, _stage_pb2.StageInfoReply]  # type: ignore[assignment]
 
 class StageServicer(metaclass=_abc_1.ABCMeta):
@@ -56,6 +60,14 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
         """One call per microbatch per hop: activations stream in, the gradient for
         them streams back on the same call once everything downstream is done.
         """
+
+    @_abc_1.abstractmethod
+    def Reduce(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.ReduceMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.ReduceReply, _abc.Awaitable[_stage_pb2.ReduceReply]]:
+        """Replicas of a stage exchange their gradient sums at the end of each step."""
 
     @_abc_1.abstractmethod
     def Info(

@@ -279,6 +279,8 @@ def build_report(
                 "stage": n.stage,
                 "address": n.address,
                 "online": n.online,
+                "last_step": n.last_step,
+                "param_digest": n.param_digest,
                 "samples": n.samples,
             }
             for n in status.nodes
