@@ -167,8 +167,13 @@ class CoordinatorConfig:
 
     lease_timeout_s: float = 300.0
     """A lease not committed within this long is leased again (counted as replayed)."""
+    min_nodes: int = 0
+    """Nodes that must be online before step 0 opens (0: one per stage). Until
+    state transfer exists, a node cannot join a stage that already trains."""
 
     def __post_init__(self) -> None:
+        if self.min_nodes < 0:
+            raise ConfigError("coordinator.min_nodes must be >= 0")
         if self.lease_timeout_s <= 0:
             raise ConfigError("coordinator.lease_timeout_s must be positive")
 

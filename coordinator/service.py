@@ -88,7 +88,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """
         p = self.protocol
         before = before or (p.phase, p.step)
-        if p.phase is Phase.WAITING and self.membership.covered():
+        enough = len(self.membership.live()) >= self.config.coordinator.min_nodes or p.history
+        if p.phase is Phase.WAITING and self.membership.covered() and enough:
             p.start()
         elif p.phase is Phase.TRAINING and not self.membership.covered():
             logger.warning("a stage has no live node; leasing paused until one joins")
@@ -117,6 +118,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
         if self.protocol.phase is Phase.DONE:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
+        if self.protocol.history and self.membership.covered():
+            # A joiner would start from fresh parameters beside replicas that
+            # have trained: refuse rather than corrupt the stage silently.
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the run has started and every stage is served; nodes cannot join a running "
+                "stage until state transfer is implemented",
+            )
         member = self.membership.assign(request.node_id, request.address)
         logger.info(
             "node %s (%s, version %s) joined: stage %d",

@@ -111,7 +111,7 @@ class Testnet:
         coord_args = [*common, "coordinator", "--listen", "127.0.0.1:0"]
         if self.args.config:
             coord_args += ["--config", str(Path(self.args.config).resolve())]
-        for item in self.overrides:
+        for item in [f"coordinator.min_nodes={self.args.nodes}", *self.overrides]:
             coord_args += ["--set", item]
         if self.args.broker:
             coord_args += ["--broker", self.args.broker]

@@ -88,6 +88,35 @@ class Procs:
             *extra,
         )
 
+    def nodes(self, count: int, coordinator: str) -> dict[str, subprocess.Popen[bytes]]:
+        """Start `count` nodes at once (n0, n1, ...) and wait until each has joined."""
+        started = {}
+        for i in range(count):
+            name = f"n{i}"
+            args = [
+                "node",
+                "--coordinator",
+                coordinator,
+                "--node-id",
+                name,
+                "--listen",
+                "127.0.0.1:0",
+                "--threads",
+                "1",
+                "--ready-file",
+                str(self.tmp / f"{name}.ready.json"),
+            ]
+            started[name] = self.start(name, *args, ready=False)[0]
+        for name, popen in started.items():
+            try:
+                wait_ready_file(
+                    self.tmp / f"{name}.ready.json", 60, lambda p=popen: p.poll() is None
+                )
+            except (RuntimeError, TimeoutError) as exc:
+                log = (self.tmp / f"{name}.log").read_text()
+                raise AssertionError(f"{name} did not start: {exc}\n{log}") from exc
+        return started
+
     def reap(self) -> None:
         for popen, _ in self.children:
             if popen.poll() is None:

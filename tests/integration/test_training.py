@@ -80,3 +80,19 @@ def test_int8_pipeline_stays_within_three_percent_after_50_steps(
     assert abs(got - want) / want < 0.03, f"int8 loss {got} vs lossless {want}"
     assert {link["codec"] for link in report["links"]} == {"int8"}
     assert report["counters"]["lost"] == 0
+
+
+def test_replicated_stages_match_single_process_and_stay_equal(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    report = run_testnet(tmp_path, tiny, 6, nodes=6)
+    baseline = train_single_process(load_config(None, [*tiny, "train.steps=6"]))
+    for got, want in zip([s["loss"] for s in report["steps"]], baseline, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want)
+    by_stage: dict[int, set[str]] = {}
+    for m in report["members"]:
+        assert m["last_step"] == 5
+        by_stage.setdefault(m["stage"], set()).add(m["param_digest"])
+    assert sorted(by_stage) == [0, 1, 2]
+    assert all(len(digests) == 1 for digests in by_stage.values()), by_stage
+    assert any(link["direction"] == "reduce" for link in report["links"])
