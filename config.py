@@ -25,6 +25,7 @@ _CODEC_ENUMS = {
     "fp16": "CODEC_FP16",
     "bf16": "CODEC_BF16",
     "int8": "CODEC_BLOCKWISE_INT8",
+    "int4": "CODEC_BLOCKWISE_INT4",
 }
 CODEC_NAMES = tuple(_CODEC_ENUMS)
 
@@ -131,11 +132,11 @@ class PipelineConfig:
     stages: int = 3
     """Pipeline stages; each node serves one."""
     activation_codec: str = "lossless"
-    """Codec for activations sent downstream: lossless, fp16, bf16 or int8."""
+    """Codec for activations sent downstream: lossless, fp16, bf16, int8 or int4."""
     gradient_codec: str = "lossless"
-    """Codec for gradients sent upstream: lossless, fp16, bf16 or int8."""
+    """Codec for gradients sent upstream: lossless, fp16, bf16, int8 or int4."""
     int8_block_size: int = 256
-    """Elements per absmax block of the int8 codec."""
+    """Elements per absmax block of the int8 and int4 codecs."""
     in_flight: int = 2
     """Microbatches a head keeps in the pipeline at once."""
     hop_timeout_s: float = 120.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swarmpipe.compression.codec import DTYPES, TensorCodec, header_dtype, numel
+from swarmpipe.compression.codec import DTYPES, Rounding, TensorCodec, header_dtype, numel
 from swarmpipe.protos import tensor_pb2
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
@@ -21,7 +21,7 @@ class _CastCodec(TensorCodec):
     def _cast(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.to(self.wire_dtype)
 
-    def _encode_flat(self, flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    def _encode_flat(self, flat: torch.Tensor, block_size: int, rounding: Rounding) -> torch.Tensor:
         # A 0-d or empty tensor views as uint8 as well once flat.
         return self._cast(flat).view(torch.uint8)
 
@@ -40,7 +40,7 @@ class LosslessCodec(_CastCodec):
     def expected_payload_bytes(self, header: tensor_pb2.TensorHeader) -> int:
         return numel(header.shape) * header_dtype(header).itemsize
 
-    def _encode_flat(self, flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    def _encode_flat(self, flat: torch.Tensor, block_size: int, rounding: Rounding) -> torch.Tensor:
         return flat.view(torch.uint8)
 
     def _decode_flat(self, header: tensor_pb2.TensorHeader, raw: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import abc
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -38,6 +39,23 @@ DTYPES: dict[tensor_pb2.DType.ValueType, torch.dtype] = {
 """The torch dtype of each wire dtype; DTYPE_UNSPECIFIED has none."""
 
 _DTYPE_ENUMS = {torch_dtype: enum for enum, torch_dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rounding:
+    """How a quantising codec rounds to its codes; codecs that do not quantise ignore it."""
+
+    stochastic: bool = False
+    """Round down or up at random, with the chance of rounding up the distance to the lower
+    code: unbiased (the mean of many encodings is the tensor), at up to one step of error
+    instead of half a step. Gradients summed over many steps want it; activations rarely do."""
+    generator: torch.Generator | None = None
+    """Where the random bits come from, on the tensor's device; None is torch's default
+    generator, which then also moves the stream dropout and sampling draw from."""
+
+
+NEAREST = Rounding()
+"""Round to the nearest code, half to even."""
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 """The dtypes lossy codecs accept; rounding an integer tensor is never what the caller meant."""
@@ -85,6 +103,10 @@ def describe(header: tensor_pb2.TensorHeader) -> str:
         codec_text = f"codec enum {header.codec}"
     if header.block_size:
         codec_text += f" block {header.block_size}"
+    if header.entropy == tensor_pb2.ENTROPY_ZSTD:
+        codec_text += " + zstd"
+    elif header.entropy != tensor_pb2.ENTROPY_NONE:
+        codec_text += f" + entropy enum {header.entropy}"
     return f"shape {list(header.shape)}, {dtype_text}, {codec_text}"
 
 
@@ -103,13 +125,15 @@ class TensorCodec(abc.ABC):
     """Dtypes the codec can encode, and so the header dtypes it can decode to."""
     blockwise: ClassVar[bool] = False
     """Whether the header's block_size means something to this codec."""
+    rounds: ClassVar[bool] = False
+    """Whether the codec quantises, and so can round stochastically."""
 
     @abc.abstractmethod
     def expected_payload_bytes(self, header: tensor_pb2.TensorHeader) -> int:
         """Payload length a valid header implies; call `check_header` first."""
 
     @abc.abstractmethod
-    def _encode_flat(self, flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    def _encode_flat(self, flat: torch.Tensor, block_size: int, rounding: Rounding) -> torch.Tensor:
         """The payload of a 1-D tensor as a 1-D uint8 tensor on the input's device.
 
         `flat` may share memory with the caller's tensor and must not be modified.
@@ -123,12 +147,17 @@ class TensorCodec(abc.ABC):
         """
 
     def encode(
-        self, tensor: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE
+        self,
+        tensor: torch.Tensor,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        rounding: Rounding = NEAREST,
     ) -> tuple[tensor_pb2.TensorHeader, bytes]:
         """The header (crc32 left 0: the wire sets it) and payload bytes of `tensor`.
 
         Works on any device; the arithmetic runs where the tensor is and only the payload is
-        copied to host memory. `block_size` is ignored by codecs that are not blockwise.
+        copied to host memory. `block_size` is ignored by codecs that are not blockwise;
+        stochastic `rounding` is refused by codecs that do not quantise.
         """
         if tensor.dtype not in self.dtypes:
             integer = tensor.dtype in _DTYPE_ENUMS and not tensor.dtype.is_floating_point
@@ -139,15 +168,25 @@ class TensorCodec(abc.ABC):
             )
         if self.blockwise and block_size < 1:
             raise CodecError(f"block_size must be >= 1 for the {self.name} codec, not {block_size}")
+        if rounding.stochastic and not self.rounds:
+            raise CodecError(
+                f"the {self.name} codec does not quantise, so it has no stochastic rounding"
+            )
         header = tensor_pb2.TensorHeader(
             dtype=dtype_enum(tensor.dtype),
             shape=tensor.shape,
             codec=self.codec_id,
             block_size=block_size if self.blockwise else 0,
+            stochastic_rounding=rounding.stochastic,
         )
         # reshape copies only when the tensor is not contiguous; detach lets .numpy() work on
         # tensors that require grad without copying them.
-        raw = self._encode_flat(tensor.detach().reshape(-1), header.block_size)
+        flat = tensor.detach().reshape(-1)
+        if not flat.numel():
+            # An empty tensor can have stride 0 (torch.from_numpy of an empty array does),
+            # which dtype views refuse.
+            flat = flat.new_empty(0)
+        raw = self._encode_flat(flat, header.block_size, rounding)
         payload = raw.cpu().numpy().tobytes()
         header.payload_bytes = len(payload)
         return header, payload
@@ -166,6 +205,11 @@ class TensorCodec(abc.ABC):
         (default CPU): decoding on the GPU moves the compact payload, not the decoded tensor.
         """
         self.check_header(header)
+        if header.entropy != tensor_pb2.ENTROPY_NONE:
+            raise CodecError(
+                f"tensor payload went through an entropy stage; decode it with "
+                f"swarmpipe.compression.decode_tensor ({describe(header)})"
+            )
         view = memoryview(payload).cast("B")
         expected = self.expected_payload_bytes(header)
         if view.nbytes != expected:
@@ -213,6 +257,11 @@ class TensorCodec(abc.ABC):
         if not self.blockwise and header.block_size:
             raise CodecError(
                 f"tensor header has a block_size but the codec has no blocks ({describe(header)})"
+            )
+        if not self.rounds and header.stochastic_rounding:
+            raise CodecError(
+                "tensor header says stochastic rounding but the codec does not quantise "
+                f"({describe(header)})"
             )
 
 

@@ -10,13 +10,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from swarmpipe.compression.blockwise_int4 import BlockwiseInt4Codec
 from swarmpipe.compression.blockwise_int8 import BlockwiseInt8Codec
 from swarmpipe.compression.casts import Bf16Codec, Fp16Codec, LosslessCodec
 from swarmpipe.compression.codec import TensorCodec
 from swarmpipe.errors import CodecError
 from swarmpipe.protos import tensor_pb2
 
-_ALL: tuple[TensorCodec, ...] = (LosslessCodec(), Fp16Codec(), Bf16Codec(), BlockwiseInt8Codec())
+_ALL: tuple[TensorCodec, ...] = (
+    LosslessCodec(),
+    Fp16Codec(),
+    Bf16Codec(),
+    BlockwiseInt8Codec(),
+    BlockwiseInt4Codec(),
+)
 
 
 def _check(codecs: tuple[TensorCodec, ...]) -> None:
@@ -42,7 +49,7 @@ CODECS: Mapping[int, TensorCodec] = MappingProxyType({codec.codec_id: codec for 
 """Each tensor_pb2.Codec value (but CODEC_UNSPECIFIED) to its codec."""
 
 CODECS_BY_NAME: Mapping[str, TensorCodec] = MappingProxyType({codec.name: codec for codec in _ALL})
-"""Each codec by its config name: lossless, fp16, bf16, int8."""
+"""Each codec by its config name: lossless, fp16, bf16, int8, int4."""
 
 
 def get_codec(codec: int | str) -> TensorCodec:

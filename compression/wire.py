@@ -4,6 +4,8 @@ The receiver trusts nothing it is sent. `TensorAssembler` checks the header befo
 a byte, stops a stream the moment it runs past the length the header promised, and checks
 length and crc32 before decoding, so a hostile or broken peer costs at most `max_bytes` of
 memory and never gets a tensor of the wrong shape past it. Every failure is a CodecError.
+A zstd-coded payload (`entropy.py`) is decompressed to exactly the size its checked header
+promised, never to what the frame would like, so a zip bomb is one more CodecError.
 
 The stream has no end marker: the header's payload_bytes says when the tensor is complete,
 so an empty tensor is a header and no chunks at all.
@@ -16,8 +18,11 @@ from collections.abc import Iterator
 
 import torch
 
+from swarmpipe.compression import entropy as entropy_stage
 from swarmpipe.compression.codec import (
     DEFAULT_BLOCK_SIZE,
+    NEAREST,
+    Rounding,
     TensorCodec,
     describe,
     header_dtype,
@@ -36,14 +41,23 @@ DEFAULT_MAX_BYTES = 256 << 20
 
 
 def encode_tensor(
-    tensor: torch.Tensor, codec: int | str, *, block_size: int = DEFAULT_BLOCK_SIZE
+    tensor: torch.Tensor,
+    codec: int | str,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    rounding: Rounding = NEAREST,
+    entropy: int | str = "none",
 ) -> tuple[tensor_pb2.TensorHeader, bytes]:
     """The complete header (crc32 included) and payload of `tensor` under `codec`.
 
-    `codec` is a tensor_pb2.Codec value or a config name ("lossless", "fp16", "bf16", "int8");
-    `block_size` matters only to blockwise codecs.
+    `codec` is a tensor_pb2.Codec value or a config name ("lossless", "fp16", "bf16", "int8",
+    "int4"); `block_size` matters only to blockwise codecs, and stochastic `rounding` only to
+    int8 and int4 (other codecs refuse it). `entropy` ("none", "zstd" or a tensor_pb2.Entropy
+    value) passes the payload through a lossless stage, kept only where it shrinks it.
     """
-    header, payload = get_codec(codec).encode(tensor, block_size=block_size)
+    stage = entropy_stage.entropy_enum(entropy)  # an unknown name fails before the work
+    header, payload = get_codec(codec).encode(tensor, block_size=block_size, rounding=rounding)
+    header, payload = entropy_stage.compress(header, payload, stage)
     header.crc32 = zlib.crc32(payload)
     return header, payload
 
@@ -73,11 +87,8 @@ def check_header(
             f"({describe(header)})"
         )
     expected = codec.expected_payload_bytes(header)
-    if header.payload_bytes != expected:
-        raise CodecError(
-            f"tensor header says the payload is {header.payload_bytes} bytes but "
-            f"{describe(header)} takes {expected}"
-        )
+    # The sent payload is never larger than the codec's, so one limit bounds both.
+    entropy_stage.check_sizes(header, expected)
     if expected > max_bytes:
         raise CodecError(
             f"tensor payload is {expected} bytes, over the limit of {max_bytes} "
@@ -150,6 +161,8 @@ class TensorAssembler:
             )
         buffer, self._buffer = self._buffer, None
         self._view.release()
+        if self._header.entropy != tensor_pb2.ENTROPY_NONE:
+            buffer = entropy_stage.decompress(self._header, buffer)
         return self._codec.decode_owned(self._header, buffer, device=device)
 
     def _describe(self) -> str:

@@ -58,6 +58,8 @@ class _CodecEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Codec.ValueType
     """cast to bfloat16"""
     CODEC_BLOCKWISE_INT8: _Codec.ValueType  # 4
     """per-block absmax scale (fp32) + int8 values"""
+    CODEC_BLOCKWISE_INT4: _Codec.ValueType  # 5
+    """per-block absmax scale (fp32) + int4 values, two per byte"""
 
 class Codec(_Codec, metaclass=_CodecEnumTypeWrapper):
     """How the payload bytes encode the tensor. The codec registry in
@@ -73,7 +75,29 @@ CODEC_BF16: Codec.ValueType  # 3
 """cast to bfloat16"""
 CODEC_BLOCKWISE_INT8: Codec.ValueType  # 4
 """per-block absmax scale (fp32) + int8 values"""
+CODEC_BLOCKWISE_INT4: Codec.ValueType  # 5
+"""per-block absmax scale (fp32) + int4 values, two per byte"""
 Global___Codec: _TypeAlias = Codec  # noqa: Y015
+
+class _Entropy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EntropyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Entropy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENTROPY_NONE: _Entropy.ValueType  # 0
+    """the payload is the codec's bytes as they are"""
+    ENTROPY_ZSTD: _Entropy.ValueType  # 1
+    """one zstd frame that decompresses to raw_payload_bytes"""
+
+class Entropy(_Entropy, metaclass=_EntropyEnumTypeWrapper):
+    """A lossless stage the codec's payload passed through before it was sent."""
+
+ENTROPY_NONE: Entropy.ValueType  # 0
+"""the payload is the codec's bytes as they are"""
+ENTROPY_ZSTD: Entropy.ValueType  # 1
+"""one zstd frame that decompresses to raw_payload_bytes"""
+Global___Entropy: _TypeAlias = Entropy  # noqa: Y015
 
 @_typing.final
 class TensorHeader(_message.Message):
@@ -87,15 +111,23 @@ class TensorHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     CRC32_FIELD_NUMBER: _builtins.int
+    STOCHASTIC_ROUNDING_FIELD_NUMBER: _builtins.int
+    ENTROPY_FIELD_NUMBER: _builtins.int
+    RAW_PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
     dtype: Global___DType.ValueType
     """dtype of the tensor after decoding"""
     codec: Global___Codec.ValueType
     payload_bytes: _builtins.int
-    """total bytes in all chunks, checked on decode"""
+    """total bytes in all chunks (after entropy), checked on decode"""
     block_size: _builtins.int
     """blockwise codecs only"""
     crc32: _builtins.int
-    """of the whole payload"""
+    """of the whole payload, as sent"""
+    stochastic_rounding: _builtins.bool
+    """int8/int4 rounded stochastically; decoding ignores it"""
+    entropy: Global___Entropy.ValueType
+    raw_payload_bytes: _builtins.int
+    """codec payload before the entropy stage; 0 for ENTROPY_NONE"""
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -107,10 +139,13 @@ class TensorHeader(_message.Message):
         payload_bytes: _builtins.int = ...,
         block_size: _builtins.int = ...,
         crc32: _builtins.int = ...,
+        stochastic_rounding: _builtins.bool = ...,
+        entropy: Global___Entropy.ValueType = ...,
+        raw_payload_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "codec", b"codec", "crc32", b"crc32", "dtype", b"dtype", "payload_bytes", b"payload_bytes", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "codec", b"codec", "crc32", b"crc32", "dtype", b"dtype", "entropy", b"entropy", "payload_bytes", b"payload_bytes", "raw_payload_bytes", b"raw_payload_bytes", "shape", b"shape", "stochastic_rounding", b"stochastic_rounding"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

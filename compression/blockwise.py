@@ -1,0 +1,176 @@
+"""Blockwise absmax quantisation, shared by the int8 and int4 codecs.
+
+The flat tensor is cut into blocks of `block_size` elements (the last one may be short). Each
+block sends one fp32 scale `s = absmax / qmax` and its elements as integer codes in
+[-qmax, qmax]: `round(x / s)`, off by at most `s / 2`, or with stochastic rounding
+`floor(x / s + u)` for u uniform in [0, 1), off by less than `s` but unbiased. A block of small
+values keeps its precision even next to a block of outliers, which one scale for the whole
+tensor would not.
+
+Payload: `n_blocks` little-endian fp32 scales, then the codes as the subclass packs them.
+
+Known failure mode: a block holding inf or NaN decodes to all NaN. Integer codes cannot carry
+either, and NaN downstream is the honest signal that the step is broken.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import ClassVar
+
+import torch
+
+from swarmpipe.compression.codec import Rounding, TensorCodec, header_dtype, numel
+from swarmpipe.protos import tensor_pb2
+
+# On CPU, quantising takes several elementwise passes (scale, round, narrow). Running them
+# over 2 MiB of fp32 at a time keeps the data in cache between passes and needs only that
+# much scratch memory: measured 1.7x faster than whole-tensor passes on a 16 MiB activation
+# (256 Ki to 1 Mi elements all did about as well). On a GPU one piece is best: each piece
+# costs kernel launches, and its passes never hit a cache anyway.
+_CPU_PIECE_ELEMENTS = 1 << 19
+
+
+def n_blocks(n: int, block_size: int) -> int:
+    """Blocks needed for `n` elements, the last one possibly short."""
+    return -(-n // block_size)
+
+
+class BlockwiseCodec(TensorCodec):
+    """Per-block absmax fp32 scales, then integer codes in [-qmax, qmax] packed by a subclass.
+
+    Symmetric codes (the most negative two's-complement value is never used) mean negating a
+    block negates its codes exactly.
+    """
+
+    blockwise = True
+    rounds = True
+    qmax: ClassVar[int]
+    """Largest code magnitude."""
+    codes_per_byte: ClassVar[int]
+    """How many codes `_store` packs into one byte."""
+
+    @abc.abstractmethod
+    def _store(self, y: torch.Tensor, codes: torch.Tensor, start: int) -> None:
+        """Pack fp32 `y` (integers in [-qmax, qmax], or NaN in a non-finite block) for the
+        elements from `start` on into the uint8 code region `codes`; `start` is a multiple of
+        `codes_per_byte`."""
+
+    @abc.abstractmethod
+    def _load(self, codes: torch.Tensor, n: int) -> torch.Tensor:
+        """The `n` codes in the uint8 code region `codes`, as int8 (may view `codes`)."""
+
+    def _code_bytes(self, n: int) -> int:
+        return -(-n // self.codes_per_byte)
+
+    def expected_payload_bytes(self, header: tensor_pb2.TensorHeader) -> int:
+        n = numel(header.shape)
+        return 4 * n_blocks(n, header.block_size) + self._code_bytes(n)
+
+    def _encode_flat(self, flat: torch.Tensor, block_size: int, rounding: Rounding) -> torch.Tensor:
+        n = flat.numel()
+        nb = n_blocks(n, block_size)
+        out = torch.empty(4 * nb + self._code_bytes(n), dtype=torch.uint8, device=flat.device)
+        scales = out[: 4 * nb].view(torch.float32)  # offset 0, so the fp32 view is aligned
+        codes = out[4 * nb :]
+        if n == 0:
+            return out
+
+        qmax = self.qmax
+        # All arithmetic in fp32. A fp16/bf16 input is widened once up front (CPU reductions
+        # over fp16/bf16 are 5x slower than the copy) and then quantised in place.
+        x = flat.float()
+        owned = x is not flat
+        absmax = _block_absmax(x, block_size)
+        torch.div(absmax, qmax, out=scales)
+        # Multiplying by the reciprocal is cheaper than dividing every element; an all-zero
+        # block gets factor 0 (codes 0) rather than 0/0. For an inf or NaN block the factor
+        # is 0 or NaN and the scale inf or NaN, so the block decodes to NaN as documented.
+        factor = torch.where(absmax > 0, absmax.reciprocal().mul_(qmax), 0.0)
+        # Pieces start on a block and on a byte of codes.
+        unit = math.lcm(block_size, self.codes_per_byte)
+        step = _piece_elements(n, unit, x.device)
+        scratch = None if owned else torch.empty(step, dtype=torch.float32, device=x.device)
+        noise = None
+        if rounding.stochastic:
+            noise = torch.empty(step, dtype=torch.float32, device=x.device)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            y = x[start:stop] if scratch is None else scratch[: stop - start]
+            _mul_per_block(x[start:stop], factor[start // block_size :], y, block_size)
+            if noise is None:
+                # Rounding in fp32 keeps |y| <= qmax (the products exceed qmax by a few ulp at
+                # most), so the integer copy cannot wrap; torch.round rounds half to even.
+                y.round_()
+            else:
+                # floor(y + u) is y rounded up with probability frac(y): unbiased. y + u can
+                # pass qmax (y = qmax, or fp32 rounding of the sum), hence the clamp, which
+                # only ever moves a code that was already at the block's absmax.
+                u = noise[: stop - start].uniform_(generator=rounding.generator)
+                y.add_(u).floor_().clamp_(-qmax, qmax)
+            self._store(y, codes, start)
+        return out
+
+    def _decode_flat(self, header: tensor_pb2.TensorHeader, raw: torch.Tensor) -> torch.Tensor:
+        n = numel(header.shape)
+        block_size = header.block_size
+        nb = n_blocks(n, block_size)
+        scales = raw[: 4 * nb].view(torch.float32)
+        codes = self._load(raw[4 * nb :], n)
+        dtype = header_dtype(header)
+        if dtype == torch.float32:
+            # Widening and then scaling in place beats a mixed int8 * fp32 multiply 2x on CPU;
+            # the result is the working memory, so whole-tensor passes are fastest here.
+            out = codes.to(torch.float32)
+            _mul_per_block(out, scales, out, block_size)
+            return out
+        out = torch.empty(n, dtype=dtype, device=raw.device)
+        step = _piece_elements(n, block_size, raw.device)
+        scratch = torch.empty(step, dtype=torch.float32, device=raw.device)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            y = scratch[: stop - start].copy_(codes[start:stop])
+            _mul_per_block(y, scales[start // block_size :], y, block_size)
+            out[start:stop].copy_(y)  # the one rounding to fp16/bf16
+        return out
+
+
+def _piece_elements(n: int, unit: int, device: torch.device) -> int:
+    """Elements per piece of work: whole units (blocks), and at most n (a piece may end
+    short)."""
+    if device.type != "cpu":
+        return max(n, 1)
+    return min(max(n, 1), max(1, _CPU_PIECE_ELEMENTS // unit) * unit)
+
+
+def _block_absmax(x: torch.Tensor, bs: int) -> torch.Tensor:
+    """max |x| of each block of flat fp32 `x`."""
+    n = x.numel()
+    full = n // bs * bs
+    parts = []
+    # max(amax, -amin) spares the tensor-sized temporary that abs() would allocate.
+    if full:
+        blocks = x[:full].view(-1, bs)
+        parts.append(torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()))
+    if full < n:
+        tail = x[full:]
+        parts.append(torch.maximum(tail.amax(0, keepdim=True), tail.amin(0, keepdim=True).neg_()))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _mul_per_block(
+    values: torch.Tensor, per_block: torch.Tensor, out: torch.Tensor, bs: int
+) -> None:
+    """`out = values * per_block[block of each element]` for a flat piece starting at a block
+    boundary (`out` may be `values`): whole blocks as one [blocks, bs] broadcast and a short
+    last block on its own, so nothing is padded."""
+    n = values.numel()
+    whole = n // bs
+    full = whole * bs
+    if whole:
+        torch.mul(
+            values[:full].view(whole, bs), per_block[:whole, None], out=out[:full].view(whole, bs)
+        )
+    if full < n:
+        torch.mul(values[full:], per_block[whole : whole + 1], out=out[full:])
