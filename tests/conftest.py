@@ -71,41 +71,23 @@ class Procs:
         _, info = self.start("coordinator", *args)
         return f"127.0.0.1:{info['grpc_port']}"
 
+    @staticmethod
+    def _node_args(name: str, coordinator: str) -> list[str]:
+        return ["node", "--coordinator", coordinator, "--node-id", name,
+                "--listen", "127.0.0.1:0", "--threads", "1"]  # fmt: skip
+
     def node(
         self, name: str, coordinator: str, *extra: str
     ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-        return self.start(
-            name,
-            "node",
-            "--coordinator",
-            coordinator,
-            "--node-id",
-            name,
-            "--listen",
-            "127.0.0.1:0",
-            "--threads",
-            "1",
-            *extra,
-        )
+        return self.start(name, *self._node_args(name, coordinator), *extra)
 
     def nodes(self, count: int, coordinator: str) -> dict[str, subprocess.Popen[bytes]]:
         """Start `count` nodes at once (n0, n1, ...) and wait until each has joined."""
         started = {}
         for i in range(count):
             name = f"n{i}"
-            args = [
-                "node",
-                "--coordinator",
-                coordinator,
-                "--node-id",
-                name,
-                "--listen",
-                "127.0.0.1:0",
-                "--threads",
-                "1",
-                "--ready-file",
-                str(self.tmp / f"{name}.ready.json"),
-            ]
+            ready = str(self.tmp / f"{name}.ready.json")
+            args = [*self._node_args(name, coordinator), "--ready-file", ready]
             started[name] = self.start(name, *args, ready=False)[0]
         for name, popen in started.items():
             try:
