@@ -123,6 +123,8 @@ class TrainConfig:
             )
         if self.lr <= 0:
             raise ConfigError("train.lr must be positive")
+        if self.seed < 0:
+            raise ConfigError("train.seed must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

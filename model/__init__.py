@@ -1,6 +1,14 @@
-"""The model: a GPT-style decoder as a list of layers, and how it is cut into stages."""
+"""The model as an ordered list of layers, and how it is cut into pipeline stages.
 
-from swarmpipe.model.gpt import build_gpt_layer, build_gpt_layers
+`build_gpt_layers` is the built-in GPT decoder (embedding, blocks, head), each
+layer initialised from its own seed so that any stage can be built alone.
+`stage_layer_ranges` and `build_stage` cut the layer list into contiguous
+stages; `build_full_model` is the uncut model of the single-process baseline
+(`swarmpipe.model.reference`). `token_loss_sum` is the loss the last stage
+backpropagates: summed, so gradients are divided by the token count once per step.
+"""
+
+from swarmpipe.model.gpt import Block, Embedding, Head, build_gpt_layer, build_gpt_layers
 from swarmpipe.model.partition import (
     build_full_model,
     build_stage,
@@ -10,6 +18,9 @@ from swarmpipe.model.partition import (
 )
 
 __all__ = [
+    "Block",
+    "Embedding",
+    "Head",
     "build_full_model",
     "build_gpt_layer",
     "build_gpt_layers",

@@ -1,4 +1,11 @@
-"""Cutting the model into pipeline stages, and the loss the last stage computes."""
+"""Cutting the model into pipeline stages, and the loss the last stage computes.
+
+The model is a list of layers: the built-in GPT (embedding, blocks, head) or
+whatever a user factory `model.factory = "pkg.mod:fn"` returns. A stage is a
+contiguous range of that list, and every stage builds the same parameters for
+its layers as the whole model would, so the pipeline starts where the
+single-process baseline starts.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +23,10 @@ from swarmpipe.model.gpt import build_gpt_layer
 def stage_layer_ranges(n_layers_total: int, stages: int) -> list[range]:
     """Split layers 0..n-1 into `stages` contiguous, non-empty, balanced ranges."""
     if not 1 <= stages <= n_layers_total:
-        raise ConfigError(f"cannot cut {n_layers_total} layers into {stages} stages")
+        raise ConfigError(
+            f"cannot cut {n_layers_total} layers into {stages} stages; "
+            f"use between 1 and {n_layers_total} pipeline.stages"
+        )
     base, extra = divmod(n_layers_total, stages)
     sizes = [base] * stages
     # Extra layers go to the middle stages first: the first and last stages
@@ -32,27 +42,41 @@ def stage_layer_ranges(n_layers_total: int, stages: int) -> list[range]:
 
 
 def _factory_layers(cfg: RunConfig) -> list[nn.Module]:
+    """Call the user's factory under the run's seed and check what it returns."""
     spec = cfg.model.factory
     module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"model.factory={spec!r} must look like 'package.module:fn'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"model.factory {spec!r}: cannot import {module_name!r}: {exc}") from exc
+        raise ConfigError(
+            f"model.factory={spec!r}: cannot import {module_name!r} ({exc}); "
+            "is it installed or on PYTHONPATH on every node?"
+        ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"model.factory {spec!r}: {module_name} has no function {attr!r}")
+        raise ConfigError(f"model.factory={spec!r}: {module_name} has no function {attr!r}")
+    # The factory initialises from the global RNG; seeding it first makes every
+    # node build the same parameters.
     torch.manual_seed(cfg.train.seed)
     layers = fn(cfg.model)
-    if (
-        not isinstance(layers, list | tuple)
-        or not layers
-        or not all(isinstance(x, nn.Module) for x in layers)
-    ):
-        raise ConfigError(f"model.factory {spec!r} must return a non-empty list of torch.nn.Module")
+    if not isinstance(layers, list | tuple) or not layers:
+        got = "an empty list" if isinstance(layers, list | tuple) else type(layers).__name__
+        raise ConfigError(
+            f"model.factory={spec!r} must return a non-empty list of torch.nn.Module, got {got}"
+        )
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise ConfigError(
+                f"model.factory={spec!r} must return a non-empty list of torch.nn.Module; "
+                f"item {i} is a {type(layer).__name__}"
+            )
     return list(layers)
 
 
 def n_model_layers(cfg: RunConfig) -> int:
+    """How many layers the run's model has (a factory's list is built to count it)."""
     if cfg.model.factory:
         return len(_factory_layers(cfg))
     return cfg.model.n_layers + 2
@@ -60,11 +84,15 @@ def n_model_layers(cfg: RunConfig) -> int:
 
 def build_stage(cfg: RunConfig, stage: int) -> nn.Sequential:
     """Only the layers of `stage`, with the parameters the whole model would give them."""
+    stages = cfg.pipeline.stages
+    if not 0 <= stage < stages:
+        raise ConfigError(f"stage {stage} is outside the run's pipeline.stages={stages}")
     if cfg.model.factory:
+        # A factory can only build its whole list; the other stages' layers are dropped.
         layers = _factory_layers(cfg)
-        ranges = stage_layer_ranges(len(layers), cfg.pipeline.stages)
-        return nn.Sequential(*[layers[i] for i in ranges[stage]])
-    ranges = stage_layer_ranges(cfg.model.n_layers + 2, cfg.pipeline.stages)
+        mine = stage_layer_ranges(len(layers), stages)[stage]
+        return nn.Sequential(*layers[mine.start : mine.stop])
+    ranges = stage_layer_ranges(cfg.model.n_layers + 2, stages)
     return nn.Sequential(*[build_gpt_layer(cfg.model, i, cfg.train.seed) for i in ranges[stage]])
 
 
@@ -77,7 +105,15 @@ def build_full_model(cfg: RunConfig) -> nn.Sequential:
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over every token: logits [B, T, V], labels [B, T] -> scalar."""
+    """Summed cross-entropy over every token: logits [B, T, V], labels [B, T] -> scalar.
+
+    A sum, not a mean: each node adds up its microbatches' gradients and
+    divides by the step's token count once, so how the batch is cut into
+    microbatches does not change the update. fp32 so a half-precision stage
+    does not round the loss.
+    """
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum"
+        logits.reshape(-1, logits.shape[-1]).float(),  # [B*T, V]
+        labels.reshape(-1),  # [B*T]
+        reduction="sum",
     )

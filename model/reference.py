@@ -7,6 +7,8 @@ floating-point rounding when the codec is lossless.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -16,27 +18,35 @@ from swarmpipe.model.partition import build_full_model, token_loss_sum
 
 
 def train_single_process(cfg: RunConfig, steps: int | None = None) -> list[float]:
-    """Train cfg's model in this process; return the mean token loss of each step."""
+    """Train cfg's model in this process; return the mean token loss of each step.
+
+    Step s uses samples [s*G, (s+1)*G) with G = train.global_batch, cut into
+    microbatches of train.microbatch (the last may be smaller); `steps`
+    defaults to train.steps.
+    """
     model = build_full_model(cfg)
+    model.train()
     corpus = Corpus.load(cfg.data, cfg.model.context, cfg.train.seed)
     t = cfg.train
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
     )
     losses = []
-    for step in range(steps if steps is not None else t.steps):
+    for step in range(t.steps if steps is None else steps):
         base = step * t.global_batch
         loss_sum, tokens = 0.0, 0
         for offset in range(0, t.global_batch, t.microbatch):
             count = min(t.microbatch, t.global_batch - offset)
-            x, y = corpus.samples(base + offset, count)
+            x, y = corpus.samples(base + offset, count)  # each [count, T]
             loss = token_loss_sum(model(x), y)
             torch.autograd.backward(loss)
             loss_sum += float(loss.detach())
             tokens += y.numel()
+        # The same scaling, in the same order, as StageRuntime.apply_step.
+        scale = 1.0 / tokens
         for p in model.parameters():
             if p.grad is not None:
-                p.grad.mul_(1.0 / tokens)
+                p.grad.mul_(scale)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum / tokens)
@@ -44,7 +54,11 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> list[float
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, corpus: Corpus, count: int) -> float:
-    """Mean token loss on the first `count` held-out samples."""
-    x, y = corpus.heldout(count)
-    return float(token_loss_sum(model(x), y)) / y.numel()
+def evaluate(model_or_layers: nn.Module | Sequence[nn.Module], corpus: Corpus, count: int) -> float:
+    """Mean token loss on the first `count` held-out samples (a model or its layers in order)."""
+    x, y = corpus.heldout(count)  # each [count, T]
+    out = x
+    layers = [model_or_layers] if isinstance(model_or_layers, nn.Module) else model_or_layers
+    for layer in layers:
+        out = layer(out)  # [count, T, V] after the last
+    return float(token_loss_sum(out, y)) / y.numel()
