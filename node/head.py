@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 import grpc
-import numpy as np
 import torch
 
 from swarmpipe.node.compute import BACKWARD, FORWARD
@@ -158,7 +158,7 @@ class Head:
                 logger.debug("attempt %d for %s failed: %s", attempt, header.microbatch_id, exc)
                 # Exponential backoff with jitter: the wait also gives the
                 # coordinator time to publish a plan without a vanished node.
-                await asyncio.sleep(delay * (0.5 + np.random.random()))
+                await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, BACKOFF_MAX_S)
         return None
 

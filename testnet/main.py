@@ -86,8 +86,7 @@ async def serve(args: argparse.Namespace) -> int:
         report = await runner.run()
     except asyncio.CancelledError:
         print("\ninterrupted: stopping every process", file=sys.stderr)
-        runner.group.stop_all()
-        return 130
+        return 130  # the finally below stops them
     finally:
         runner.group.stop_all()
     path = out / "report.json"
