@@ -113,8 +113,18 @@ class TrainConfig:
     """AdamW betas."""
     seed: int = 0
     """Seeds parameter initialisation and the sample order."""
+    eval_every: int = 0
+    """Measure the held-out loss through the pipeline at the start of every this many steps
+    and once after the last step; 0 never does. Evaluation runs forward only, on the
+    parameters the step trains from, and does not count as training samples."""
+    eval_samples: int = 64
+    """Held-out samples per evaluation: always the first ones, so evaluations compare."""
 
     def __post_init__(self) -> None:
+        if self.eval_every < 0:
+            raise ConfigError("train.eval_every must be >= 0 (0 turns evaluation off)")
+        if self.eval_samples < 1:
+            raise ConfigError("train.eval_samples must be >= 1")
         if self.steps < 1 or self.global_batch < 1 or self.microbatch < 1:
             raise ConfigError("train.steps, global_batch and microbatch must be >= 1")
         if self.microbatch > self.global_batch:

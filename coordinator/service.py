@@ -49,6 +49,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             global_batch=config.train.global_batch,
             microbatch=config.train.microbatch,
             lease_timeout_s=config.coordinator.lease_timeout_s,
+            eval_every=config.train.eval_every,
+            eval_samples=config.train.eval_samples,
         )
         self.started_at = time.monotonic()
         self._changed = asyncio.Event()
@@ -167,6 +169,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     sample_start=lease.sample_start,
                     sample_count=lease.sample_count,
                     replay=lease.replay,
+                    eval=lease.eval,
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -246,9 +249,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 outstanding=p.outstanding_samples,
             ),
         )
+        run_start = p.run_started_at or 0.0
         for s in p.history:
-            if s.finished_at is None:
-                continue
+            if s.eval_finished_at is not None:
+                reply.evals.append(
+                    coordinator_pb2.EvalRecord(
+                        step=s.step,
+                        loss=s.eval_loss,
+                        tokens=s.eval_tokens,
+                        elapsed_s=s.eval_finished_at - run_start,
+                    )
+                )
+            if s.finished_at is None or s.step >= p.total_steps:
+                continue  # still running, or the evaluation-only round after the last step
             reply.steps.append(
                 coordinator_pb2.StepRecord(
                     step=s.step,
@@ -256,6 +269,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     samples=s.samples,
                     seconds=s.seconds,
                     samples_per_second=s.samples / s.seconds if s.seconds > 0 else 0.0,
+                    elapsed_s=s.finished_at - run_start,
                 )
             )
         for m in sorted(self.membership.members.values(), key=lambda m: m.node_id):

@@ -6,6 +6,12 @@ pipeline and commit. When every lease of the step is committed the step enters
 APPLY: every node steps its optimizer and acknowledges, and only then does step
 s+1 open, so no microbatch ever meets half-updated parameters.
 
+Evaluation (train.eval_every > 0): a step whose index is a multiple of eval_every also
+carries evaluation leases, ranges of held-out samples that heads run forward only; the step
+cannot end before they are committed, so they measure the parameters the step trains from.
+After the last step one more evaluation-only round measures the final parameters, then the
+run is DONE. Evaluation samples are not training samples: they are left out of the counters.
+
 Guarantee: every leased sample is committed or leased again. A lease returns
 to the queue (and is counted as replayed) when its head releases it, when the
 head goes offline, or when it outlives the lease timeout. This class is pure
@@ -37,6 +43,7 @@ class Lease:
     sample_count: int
     replay: bool
     granted_at: float
+    eval: bool = False
 
 
 @dataclass(slots=True)
@@ -58,10 +65,19 @@ class StepStats:
     loss_sum: float = 0.0
     tokens: int = 0
     finished_at: float | None = None
+    eval_loss_sum: float = 0.0
+    eval_tokens: int = 0
+    eval_leases: int = 0
+    """Evaluation leases this step carries; 0 when it does not evaluate."""
+    eval_finished_at: float | None = None
 
     @property
     def loss(self) -> float:
         return self.loss_sum / self.tokens if self.tokens else float("nan")
+
+    @property
+    def eval_loss(self) -> float:
+        return self.eval_loss_sum / self.eval_tokens if self.eval_tokens else float("nan")
 
     @property
     def seconds(self) -> float:
@@ -73,6 +89,7 @@ class _Range:
     start: int
     count: int
     replay: bool = False
+    eval: bool = False
 
 
 @dataclass(slots=True)
@@ -83,6 +100,8 @@ class StepProtocol:
     global_batch: int
     microbatch: int
     lease_timeout_s: float
+    eval_every: int = 0
+    eval_samples: int = 0
     clock: Callable[[], float] = time.monotonic
     phase: Phase = Phase.WAITING
     step: int = 0
@@ -94,6 +113,8 @@ class StepProtocol:
     _next_lease_id: int = 1
     _awaiting_ack: set[str] = field(default_factory=set)
     _opened: bool = False
+    _eval_pending: int = 0
+    run_started_at: float | None = None
 
     # -- step lifecycle -------------------------------------------------
 
@@ -113,11 +134,36 @@ class StepProtocol:
     def _open_step(self, step: int) -> None:
         self.step = step
         self._opened = True
-        base = step * self.global_batch
-        for offset in range(0, self.global_batch, self.microbatch):
-            count = min(self.microbatch, self.global_batch - offset)
-            self._pending.append(_Range(base + offset, count))
-        self.history.append(StepStats(step=step, started_at=self.clock()))
+        now = self.clock()
+        if self.run_started_at is None:
+            self.run_started_at = now
+        stats = StepStats(step=step, started_at=now)
+        if self.evaluates(step):
+            # Evaluation first: it is short, and its result is what a watcher waits for.
+            for offset in range(0, self.eval_samples, self.microbatch):
+                count = min(self.microbatch, self.eval_samples - offset)
+                self._pending.append(_Range(offset, count, eval=True))
+                stats.eval_leases += 1
+            self._eval_pending = stats.eval_leases
+        if not self.eval_only:
+            base = step * self.global_batch
+            for offset in range(0, self.global_batch, self.microbatch):
+                count = min(self.microbatch, self.global_batch - offset)
+                self._pending.append(_Range(base + offset, count))
+        self.history.append(stats)
+
+    def evaluates(self, step: int) -> bool:
+        """Whether `step` carries evaluation leases (the round after the last step does)."""
+        return (
+            self.eval_every > 0
+            and self.eval_samples > 0
+            and (step % self.eval_every == 0 or step >= self.total_steps)
+        )
+
+    @property
+    def eval_only(self) -> bool:
+        """The current round is the final evaluation after the last training step."""
+        return self.step >= self.total_steps
 
     @property
     def current(self) -> StepStats:
@@ -139,12 +185,14 @@ class StepProtocol:
             sample_count=rng.count,
             replay=rng.replay,
             granted_at=self.clock(),
+            eval=rng.eval,
         )
         self._next_lease_id += 1
         self._outstanding[lease.lease_id] = lease
-        self.counters.leased += lease.sample_count
-        if rng.replay:
-            self.counters.replayed += lease.sample_count
+        if not rng.eval:
+            self.counters.leased += lease.sample_count
+            if rng.replay:
+                self.counters.replayed += lease.sample_count
         return lease
 
     def commit(self, node_id: str, lease_id: int, loss_sum: float, tokens: int) -> str | None:
@@ -154,27 +202,38 @@ class StepProtocol:
             if lease_id in self._retired:
                 # The samples were leased again after this lease expired or was
                 # released; its gradient is already in the accumulators.
-                self.counters.duplicates += self._retired[lease_id].sample_count
+                if not self._retired[lease_id].eval:
+                    self.counters.duplicates += self._retired[lease_id].sample_count
                 return f"lease {lease_id} was already re-leased; counted as a duplicate"
             return f"lease {lease_id} is unknown"
         if lease.node_id != node_id:
             return f"lease {lease_id} belongs to {lease.node_id}, not {node_id}"
         del self._outstanding[lease_id]
-        self.counters.committed += lease.sample_count
         stats = self.current
-        stats.samples += lease.sample_count
-        stats.loss_sum += loss_sum
-        stats.tokens += tokens
+        if lease.eval:
+            stats.eval_loss_sum += loss_sum
+            stats.eval_tokens += tokens
+            self._eval_pending -= 1
+            if not self._eval_pending:
+                stats.eval_finished_at = self.clock()
+        else:
+            self.counters.committed += lease.sample_count
+            stats.samples += lease.sample_count
+            stats.loss_sum += loss_sum
+            stats.tokens += tokens
         if not self._pending and not self._outstanding:
             stats.finished_at = self.clock()
-            self.phase = Phase.APPLY
+            # The round after the last step only evaluates: nothing to apply.
+            self.phase = Phase.DONE if self.eval_only else Phase.APPLY
         return None
 
     def _requeue(self, lease: Lease) -> None:
         del self._outstanding[lease.lease_id]
         self._retired[lease.lease_id] = lease
         # Replays go to the front so a step's stragglers finish first.
-        self._pending.appendleft(_Range(lease.sample_start, lease.sample_count, replay=True))
+        self._pending.appendleft(
+            _Range(lease.sample_start, lease.sample_count, replay=True, eval=lease.eval)
+        )
 
     def release(self, node_id: str, lease_id: int) -> bool:
         """The head gives a lease back (it could not finish it)."""
@@ -205,7 +264,8 @@ class StepProtocol:
 
     @property
     def outstanding_samples(self) -> int:
-        return sum(lease.sample_count for lease in self._outstanding.values())
+        """Training samples leased and neither committed nor released yet."""
+        return sum(lease.sample_count for lease in self._outstanding.values() if not lease.eval)
 
     # -- optimizer step acknowledgements ---------------------------------
 
@@ -226,7 +286,7 @@ class StepProtocol:
             return False
         done = self.current
         self.counters.lost += self.global_batch - done.samples
-        if self.step + 1 >= self.total_steps:
+        if self.step + 1 >= self.total_steps and not self.evaluates(self.total_steps):
             self.phase = Phase.DONE
         else:
             self._open_step(self.step + 1)

@@ -145,9 +145,21 @@ class Corpus:
 
     def heldout(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `count` held-out windows (fewer if there are fewer): tokens and labels."""
+        return self.heldout_range(0, count)
+
+    def heldout_range(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out windows start..start+count-1 (clipped to what there is): tokens and labels.
+
+        An evaluation lease names such a range, so every head evaluates the same samples.
+        """
         if self.n_holdout == 0:
             raise DataError("the corpus holds nothing out; set data.holdout_fraction > 0")
-        if count < 1:
-            raise DataError(f"held-out count={count} must be at least 1")
-        count = min(count, self.n_holdout)
-        return self._windows(np.arange(self.n_train, self.n_train + count, dtype=np.int64))
+        if count < 1 or start < 0:
+            raise DataError(f"held-out range start={start} count={count} is not a valid range")
+        if start >= self.n_holdout:
+            raise DataError(
+                f"held-out range starts at {start}, past the {self.n_holdout} held-out samples"
+            )
+        count = min(count, self.n_holdout - start)
+        first = self.n_train + start
+        return self._windows(np.arange(first, first + count, dtype=np.int64))

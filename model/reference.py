@@ -17,12 +17,18 @@ from swarmpipe.data import Corpus
 from swarmpipe.model.partition import build_full_model, token_loss_sum
 
 
-def train_single_process(cfg: RunConfig, steps: int | None = None) -> list[float]:
+def train_single_process(
+    cfg: RunConfig,
+    steps: int | None = None,
+    evals: list[tuple[int, float]] | None = None,
+) -> list[float]:
     """Train cfg's model in this process; return the mean token loss of each step.
 
     Step s uses samples [s*G, (s+1)*G) with G = train.global_batch, cut into
     microbatches of train.microbatch (the last may be smaller); `steps`
-    defaults to train.steps.
+    defaults to train.steps. When `evals` is a list and train.eval_every > 0,
+    (step, held-out loss) is appended where the pipeline evaluates: before every
+    eval_every-th step and after the last.
     """
     model = build_full_model(cfg)
     model.train()
@@ -32,7 +38,10 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> list[float
         model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
     )
     losses = []
-    for step in range(t.steps if steps is None else steps):
+    total = t.steps if steps is None else steps
+    for step in range(total):
+        if evals is not None and t.eval_every and step % t.eval_every == 0:
+            evals.append((step, evaluate(model, corpus, t.eval_samples)))
         base = step * t.global_batch
         loss_sum, tokens = 0.0, 0
         for offset in range(0, t.global_batch, t.microbatch):
@@ -50,6 +59,8 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> list[float
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss_sum / tokens)
+    if evals is not None and t.eval_every:
+        evals.append((total, evaluate(model, corpus, t.eval_samples)))
     return losses
 
 

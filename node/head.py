@@ -42,6 +42,7 @@ class Head:
         self.corpus = corpus
         self.stopping = asyncio.Event()
         self.finished = asyncio.Event()
+        self._warned_short_holdout = False
 
     async def run(self) -> None:
         """Run the lease workers until the run is done or the node stops."""
@@ -79,26 +80,36 @@ class Head:
                 continue
             await self._process(lease)
 
-    async def _process(self, lease: coordinator_pb2.LeaseReply) -> None:
+    def _header(
+        self, lease: coordinator_pb2.LeaseReply, microbatch_id: str, labels: torch.Tensor
+    ) -> stage_pb2.MicrobatchHeader:
         d = self.daemon
-        runtime = d.runtime
-        config = d.config
-        assert runtime is not None and config is not None
-        tokens, labels = self.corpus.samples(lease.sample_start, lease.sample_count)
-        microbatch_id = f"{lease.step}:{lease.sample_start}:{lease.sample_count}"
-        header = stage_pb2.MicrobatchHeader(
+        assert d.config is not None
+        return stage_pb2.MicrobatchHeader(
             microbatch_id=microbatch_id,
             step=lease.step,
             lease_id=lease.lease_id,
             sample_start=lease.sample_start,
-            sample_count=lease.sample_count,
+            sample_count=labels.shape[0],
             origin_node=d.node_id,
             labels=labels.numpy().astype("<i4").tobytes(),
-            context=config.model.context,
+            context=d.config.model.context,
             gradient_codec=d.gradient_codec,  # type: ignore[arg-type]
             hop=1,
             sender_node=d.node_id,
+            eval=lease.eval,
         )
+
+    async def _process(self, lease: coordinator_pb2.LeaseReply) -> None:
+        if lease.eval:
+            await self._evaluate(lease)
+            return
+        d = self.daemon
+        runtime = d.runtime
+        assert runtime is not None
+        tokens, labels = self.corpus.samples(lease.sample_start, lease.sample_count)
+        microbatch_id = f"{lease.step}:{lease.sample_start}:{lease.sample_count}"
+        header = self._header(lease, microbatch_id, labels)
         key = uuid.uuid4().hex
         d.in_flight += 1
         started = time.perf_counter()
@@ -125,14 +136,56 @@ class Head:
             await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
         d.samples_processed += lease.sample_count
         d.microbatch_seconds.append(time.perf_counter() - started)
+        await self._commit(lease, loss_sum, n_tokens)
+
+    async def _commit(
+        self, lease: coordinator_pb2.LeaseReply, loss_sum: float, tokens: int
+    ) -> None:
+        d = self.daemon
         reply = await d.call_coordinator(
             "Commit",
             coordinator_pb2.CommitRequest(
-                node_id=d.node_id, lease_id=lease.lease_id, loss_sum=loss_sum, tokens=n_tokens
+                node_id=d.node_id, lease_id=lease.lease_id, loss_sum=loss_sum, tokens=tokens
             ),
         )
         if not reply.accepted:
             logger.warning("commit of lease %d refused: %s", lease.lease_id, reply.reason)
+
+    async def _evaluate(self, lease: coordinator_pb2.LeaseReply) -> None:
+        """An evaluation lease: held-out samples forward through the pipeline, loss committed."""
+        d = self.daemon
+        runtime = d.runtime
+        assert runtime is not None
+        if lease.sample_start >= self.corpus.n_holdout:
+            # train.eval_samples asks for more than the corpus holds out: evaluate what
+            # there is, and commit the rest as empty so the step can end.
+            if not self._warned_short_holdout:
+                self._warned_short_holdout = True
+                logger.warning(
+                    "train.eval_samples exceeds the corpus's %d held-out samples; "
+                    "evaluating those only",
+                    self.corpus.n_holdout,
+                )
+            await self._commit(lease, 0.0, 0)
+            return
+        tokens, labels = self.corpus.heldout_range(lease.sample_start, lease.sample_count)
+        microbatch_id = f"eval:{lease.step}:{lease.sample_start}:{lease.sample_count}"
+        d.in_flight += 1
+        try:
+            if runtime.is_last:
+                last = await d.compute.run(FORWARD, lambda: runtime.evaluate_last(tokens, labels))
+                loss_sum, n_tokens = last.loss_sum, last.tokens
+            else:
+                output = await d.compute.run(FORWARD, lambda: runtime.forward_eval(tokens))
+                header = self._header(lease, microbatch_id, labels)
+                hop = await self._send_with_retries(header, output)
+                if hop is None:
+                    await self._release(lease, "every attempt to send it downstream failed")
+                    return
+                loss_sum, n_tokens = hop.result.loss_sum, hop.result.tokens
+        finally:
+            d.in_flight -= 1
+        await self._commit(lease, loss_sum, n_tokens)
 
     async def _send_with_retries(
         self, header: stage_pb2.MicrobatchHeader, output: torch.Tensor

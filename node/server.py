@@ -103,6 +103,52 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
 
+    async def _evaluate(
+        self,
+        header: stage_pb2.MicrobatchHeader,
+        activation: torch.Tensor,
+        labels: torch.Tensor,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[stage_pb2.BackwardMessage]:
+        """An evaluation microbatch: forward only, the loss comes back without a gradient."""
+        d = self.daemon
+        runtime = d.runtime
+        assert runtime is not None and d.config is not None
+        d.in_flight += 1
+        try:
+            if runtime.is_last:
+                last = await d.compute.run(
+                    FORWARD, lambda: runtime.evaluate_last(activation, labels)
+                )
+                result = stage_pb2.MicrobatchResult(
+                    loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
+                )
+            else:
+                output = await d.compute.run(FORWARD, lambda: runtime.forward_eval(activation))
+                downstream = stage_pb2.MicrobatchHeader()
+                downstream.CopyFrom(header)
+                downstream.hop = d.stage + 1
+                downstream.sender_node = d.node_id
+                try:
+                    hop = await d.router.send(
+                        d.stage + 1,
+                        downstream,
+                        output,
+                        codec=d.activation_codec,
+                        block_size=d.config.pipeline.int8_block_size,
+                        timeout=d.config.pipeline.hop_timeout_s,
+                    )
+                except HopError as exc:
+                    logger.debug("downstream hop of an evaluation failed: %s", exc)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    raise  # unreachable
+                result = stage_pb2.MicrobatchResult()
+                result.CopyFrom(hop.result)
+                result.stages_done += 1
+        finally:
+            d.in_flight -= 1
+        yield stage_pb2.BackwardMessage(result=result)
+
     async def Forward(
         self,
         request_iterator: AsyncIterator[stage_pb2.ForwardMessage],
@@ -137,6 +183,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"microbatch is for step {header.step}; this node is at step {runtime.step}",
             )
+        if header.eval:
+            async for message in self._evaluate(header, activation, labels, context):
+                yield message
+            return
         key = uuid.uuid4().hex
         d.in_flight += 1
         try:

@@ -126,6 +126,17 @@ class StageRuntime:
         grad_input = self._backprop(saved, loss, None)
         return LastStageResult(grad_input, float(loss.detach()), labels.numel())
 
+    @torch.no_grad()
+    def forward_eval(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward only, for evaluation: nothing is saved and no gradient will come back."""
+        return self.module(x if self.is_first else x.float())  # type: ignore[no-any-return]
+
+    @torch.no_grad()
+    def evaluate_last(self, x: torch.Tensor, labels: torch.Tensor) -> LastStageResult:
+        """The last stage of an evaluation: forward and the summed token loss, no backward."""
+        logits = self.forward_eval(x)
+        return LastStageResult(None, float(token_loss_sum(logits, labels)), labels.numel())
+
     def _backprop(
         self, saved: _Saved, outputs: torch.Tensor, grad: torch.Tensor | None
     ) -> torch.Tensor | None:

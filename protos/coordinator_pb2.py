@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"swarmpipe/protos/coordinator.proto\x12\x0cswarmpipe.v1\"@\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"W\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nbroker_url\x18\x04 \x01(\t\"5\n\x0cLeaseRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xf1\x01\n\nLeaseReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.swarmpipe.v1.LeaseReply.Status\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x14\n\x0csample_start\x18\x04 \x01(\x04\x12\x14\n\x0csample_count\x18\x05 \x01(\r\x12\x0e\n\x06replay\x18\x06 \x01(\x08\"V\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_GRANTED\x10\x01\x12\x0f\n\x0bSTATUS_WAIT\x10\x02\x12\x0f\n\x0bSTATUS_DONE\x10\x03\"T\n\rCommitRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x10\n\x08loss_sum\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"/\n\x0b\x43ommitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x0eReleaseRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0e\n\x0cReleaseReply\"i\n\x0fStepDoneRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\x12\x10\n\x08replicas\x18\x05 \x01(\r\"\x0f\n\rStepDoneReply\"\x0f\n\rStatusRequest\"|\n\x0eSampleCounters\x12\x0e\n\x06leased\x18\x01 \x01(\x04\x12\x11\n\tcommitted\x18\x02 \x01(\x04\x12\x10\n\x08replayed\x18\x03 \x01(\x04\x12\x12\n\nduplicates\x18\x04 \x01(\x04\x12\x0c\n\x04lost\x18\x05 \x01(\x04\x12\x13\n\x0boutstanding\x18\x06 \x01(\x04\"f\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x05 \x01(\x01\"r\n\nLinkRecord\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x10\n\x08\x64st_node\x18\x02 \x01(\t\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0f\n\x07tensors\x18\x06 \x01(\x04\"\xa3\x01\n\nNodeRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06online\x18\x04 \x01(\x08\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x11\n\tlast_step\x18\x07 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x08 \x01(\t\"\x88\x02\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12.\n\x08\x63ounters\x18\x05 \x01(\x0b\x32\x1c.swarmpipe.v1.SampleCounters\x12\'\n\x05steps\x18\x06 \x03(\x0b\x32\x18.swarmpipe.v1.StepRecord\x12\'\n\x05nodes\x18\x07 \x03(\x0b\x32\x18.swarmpipe.v1.NodeRecord\x12\'\n\x05links\x18\x08 \x03(\x0b\x32\x18.swarmpipe.v1.LinkRecord\x12\x0c\n\x04\x64one\x18\t \x01(\x08\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x0c\n\nDrainReply2\xd8\x03\n\x0b\x43oordinator\x12:\n\x04Join\x12\x19.swarmpipe.v1.JoinRequest\x1a\x17.swarmpipe.v1.JoinReply\x12=\n\x05Lease\x12\x1a.swarmpipe.v1.LeaseRequest\x1a\x18.swarmpipe.v1.LeaseReply\x12@\n\x06\x43ommit\x12\x1b.swarmpipe.v1.CommitRequest\x1a\x19.swarmpipe.v1.CommitReply\x12\x43\n\x07Release\x12\x1c.swarmpipe.v1.ReleaseRequest\x1a\x1a.swarmpipe.v1.ReleaseReply\x12\x46\n\x08StepDone\x12\x1d.swarmpipe.v1.StepDoneRequest\x1a\x1b.swarmpipe.v1.StepDoneReply\x12@\n\x06Status\x12\x1b.swarmpipe.v1.StatusRequest\x1a\x19.swarmpipe.v1.StatusReply\x12=\n\x05\x44rain\x12\x1a.swarmpipe.v1.DrainRequest\x1a\x18.swarmpipe.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"swarmpipe/protos/coordinator.proto\x12\x0cswarmpipe.v1\"@\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"W\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nbroker_url\x18\x04 \x01(\t\"5\n\x0cLeaseRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xff\x01\n\nLeaseReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.swarmpipe.v1.LeaseReply.Status\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x14\n\x0csample_start\x18\x04 \x01(\x04\x12\x14\n\x0csample_count\x18\x05 \x01(\r\x12\x0e\n\x06replay\x18\x06 \x01(\x08\x12\x0c\n\x04\x65val\x18\x14 \x01(\x08\"V\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_GRANTED\x10\x01\x12\x0f\n\x0bSTATUS_WAIT\x10\x02\x12\x0f\n\x0bSTATUS_DONE\x10\x03\"T\n\rCommitRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x10\n\x08loss_sum\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"/\n\x0b\x43ommitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x0eReleaseRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0e\n\x0cReleaseReply\"i\n\x0fStepDoneRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\x12\x10\n\x08replicas\x18\x05 \x01(\r\"\x0f\n\rStepDoneReply\"\x0f\n\rStatusRequest\"|\n\x0eSampleCounters\x12\x0e\n\x06leased\x18\x01 \x01(\x04\x12\x11\n\tcommitted\x18\x02 \x01(\x04\x12\x10\n\x08replayed\x18\x03 \x01(\x04\x12\x12\n\nduplicates\x18\x04 \x01(\x04\x12\x0c\n\x04lost\x18\x05 \x01(\x04\x12\x13\n\x0boutstanding\x18\x06 \x01(\x04\"y\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x14 \x01(\x01\"K\n\nEvalRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"r\n\nLinkRecord\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x10\n\x08\x64st_node\x18\x02 \x01(\t\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0f\n\x07tensors\x18\x06 \x01(\x04\"\xa3\x01\n\nNodeRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06online\x18\x04 \x01(\x08\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x11\n\tlast_step\x18\x07 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x08 \x01(\t\"\xb1\x02\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12.\n\x08\x63ounters\x18\x05 \x01(\x0b\x32\x1c.swarmpipe.v1.SampleCounters\x12\'\n\x05steps\x18\x06 \x03(\x0b\x32\x18.swarmpipe.v1.StepRecord\x12\'\n\x05nodes\x18\x07 \x03(\x0b\x32\x18.swarmpipe.v1.NodeRecord\x12\'\n\x05links\x18\x08 \x03(\x0b\x32\x18.swarmpipe.v1.LinkRecord\x12\x0c\n\x04\x64one\x18\t \x01(\x08\x12\'\n\x05\x65vals\x18\x14 \x03(\x0b\x32\x18.swarmpipe.v1.EvalRecord\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x0c\n\nDrainReply2\xd8\x03\n\x0b\x43oordinator\x12:\n\x04Join\x12\x19.swarmpipe.v1.JoinRequest\x1a\x17.swarmpipe.v1.JoinReply\x12=\n\x05Lease\x12\x1a.swarmpipe.v1.LeaseRequest\x1a\x18.swarmpipe.v1.LeaseReply\x12@\n\x06\x43ommit\x12\x1b.swarmpipe.v1.CommitRequest\x1a\x19.swarmpipe.v1.CommitReply\x12\x43\n\x07Release\x12\x1c.swarmpipe.v1.ReleaseRequest\x1a\x1a.swarmpipe.v1.ReleaseReply\x12\x46\n\x08StepDone\x12\x1d.swarmpipe.v1.StepDoneRequest\x1a\x1b.swarmpipe.v1.StepDoneReply\x12@\n\x06Status\x12\x1b.swarmpipe.v1.StatusRequest\x1a\x19.swarmpipe.v1.StatusReply\x12=\n\x05\x44rain\x12\x1a.swarmpipe.v1.DrainRequest\x1a\x18.swarmpipe.v1.DrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,37 +38,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEASEREQUEST']._serialized_start=207
   _globals['_LEASEREQUEST']._serialized_end=260
   _globals['_LEASEREPLY']._serialized_start=263
-  _globals['_LEASEREPLY']._serialized_end=504
-  _globals['_LEASEREPLY_STATUS']._serialized_start=418
-  _globals['_LEASEREPLY_STATUS']._serialized_end=504
-  _globals['_COMMITREQUEST']._serialized_start=506
-  _globals['_COMMITREQUEST']._serialized_end=590
-  _globals['_COMMITREPLY']._serialized_start=592
-  _globals['_COMMITREPLY']._serialized_end=639
-  _globals['_RELEASEREQUEST']._serialized_start=641
-  _globals['_RELEASEREQUEST']._serialized_end=708
-  _globals['_RELEASEREPLY']._serialized_start=710
-  _globals['_RELEASEREPLY']._serialized_end=724
-  _globals['_STEPDONEREQUEST']._serialized_start=726
-  _globals['_STEPDONEREQUEST']._serialized_end=831
-  _globals['_STEPDONEREPLY']._serialized_start=833
-  _globals['_STEPDONEREPLY']._serialized_end=848
-  _globals['_STATUSREQUEST']._serialized_start=850
-  _globals['_STATUSREQUEST']._serialized_end=865
-  _globals['_SAMPLECOUNTERS']._serialized_start=867
-  _globals['_SAMPLECOUNTERS']._serialized_end=991
-  _globals['_STEPRECORD']._serialized_start=993
-  _globals['_STEPRECORD']._serialized_end=1095
-  _globals['_LINKRECORD']._serialized_start=1097
-  _globals['_LINKRECORD']._serialized_end=1211
-  _globals['_NODERECORD']._serialized_start=1214
-  _globals['_NODERECORD']._serialized_end=1377
-  _globals['_STATUSREPLY']._serialized_start=1380
-  _globals['_STATUSREPLY']._serialized_end=1644
-  _globals['_DRAINREQUEST']._serialized_start=1646
-  _globals['_DRAINREQUEST']._serialized_end=1677
-  _globals['_DRAINREPLY']._serialized_start=1679
-  _globals['_DRAINREPLY']._serialized_end=1691
-  _globals['_COORDINATOR']._serialized_start=1694
-  _globals['_COORDINATOR']._serialized_end=2166
+  _globals['_LEASEREPLY']._serialized_end=518
+  _globals['_LEASEREPLY_STATUS']._serialized_start=432
+  _globals['_LEASEREPLY_STATUS']._serialized_end=518
+  _globals['_COMMITREQUEST']._serialized_start=520
+  _globals['_COMMITREQUEST']._serialized_end=604
+  _globals['_COMMITREPLY']._serialized_start=606
+  _globals['_COMMITREPLY']._serialized_end=653
+  _globals['_RELEASEREQUEST']._serialized_start=655
+  _globals['_RELEASEREQUEST']._serialized_end=722
+  _globals['_RELEASEREPLY']._serialized_start=724
+  _globals['_RELEASEREPLY']._serialized_end=738
+  _globals['_STEPDONEREQUEST']._serialized_start=740
+  _globals['_STEPDONEREQUEST']._serialized_end=845
+  _globals['_STEPDONEREPLY']._serialized_start=847
+  _globals['_STEPDONEREPLY']._serialized_end=862
+  _globals['_STATUSREQUEST']._serialized_start=864
+  _globals['_STATUSREQUEST']._serialized_end=879
+  _globals['_SAMPLECOUNTERS']._serialized_start=881
+  _globals['_SAMPLECOUNTERS']._serialized_end=1005
+  _globals['_STEPRECORD']._serialized_start=1007
+  _globals['_STEPRECORD']._serialized_end=1128
+  _globals['_EVALRECORD']._serialized_start=1130
+  _globals['_EVALRECORD']._serialized_end=1205
+  _globals['_LINKRECORD']._serialized_start=1207
+  _globals['_LINKRECORD']._serialized_end=1321
+  _globals['_NODERECORD']._serialized_start=1324
+  _globals['_NODERECORD']._serialized_end=1487
+  _globals['_STATUSREPLY']._serialized_start=1490
+  _globals['_STATUSREPLY']._serialized_end=1795
+  _globals['_DRAINREQUEST']._serialized_start=1797
+  _globals['_DRAINREQUEST']._serialized_end=1828
+  _globals['_DRAINREPLY']._serialized_start=1830
+  _globals['_DRAINREPLY']._serialized_end=1842
+  _globals['_COORDINATOR']._serialized_start=1845
+  _globals['_COORDINATOR']._serialized_end=2317
 # @@protoc_insertion_point(module_scope)

@@ -130,6 +130,7 @@ class LeaseReply(_message.Message):
     SAMPLE_START_FIELD_NUMBER: _builtins.int
     SAMPLE_COUNT_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
+    EVAL_FIELD_NUMBER: _builtins.int
     status: Global___LeaseReply.Status.ValueType
     lease_id: _builtins.int
     step: _builtins.int
@@ -137,6 +138,10 @@ class LeaseReply(_message.Message):
     sample_count: _builtins.int
     replay: _builtins.bool
     """these samples were leased before and not committed"""
+    eval: _builtins.bool
+    """Held-out samples to evaluate, forward only: sample_start indexes the held-out set,
+    and the commit carries their loss without training on them.
+    """
     def __init__(
         self,
         *,
@@ -146,10 +151,11 @@ class LeaseReply(_message.Message):
         sample_start: _builtins.int = ...,
         sample_count: _builtins.int = ...,
         replay: _builtins.bool = ...,
+        eval: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "replay", b"replay", "sample_count", b"sample_count", "sample_start", b"sample_start", "status", b"status", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["eval", b"eval", "lease_id", b"lease_id", "replay", b"replay", "sample_count", b"sample_count", "sample_start", b"sample_start", "status", b"status", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -353,6 +359,7 @@ class StepRecord(_message.Message):
     SAMPLES_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    ELAPSED_S_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     loss: _builtins.float
     """mean token loss over the step's samples"""
@@ -360,6 +367,8 @@ class StepRecord(_message.Message):
     seconds: _builtins.float
     """from the first lease to the optimizer step"""
     samples_per_second: _builtins.float
+    elapsed_s: _builtins.float
+    """from the opening of step 0 to the end of this step"""
     def __init__(
         self,
         *,
@@ -368,14 +377,48 @@ class StepRecord(_message.Message):
         samples: _builtins.int = ...,
         seconds: _builtins.float = ...,
         samples_per_second: _builtins.float = ...,
+        elapsed_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "seconds", b"seconds", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "seconds", b"seconds", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepRecord: _TypeAlias = StepRecord  # noqa: Y015
+
+@_typing.final
+class EvalRecord(_message.Message):
+    """One measurement of the held-out loss through the pipeline (train.eval_every)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    ELAPSED_S_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """measured on the parameters after `step` optimizer steps"""
+    loss: _builtins.float
+    """mean token loss over the held-out samples"""
+    tokens: _builtins.int
+    elapsed_s: _builtins.float
+    """from the opening of step 0 to the end of this evaluation"""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        loss: _builtins.float = ...,
+        tokens: _builtins.int = ...,
+        elapsed_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "loss", b"loss", "step", b"step", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvalRecord: _TypeAlias = EvalRecord  # noqa: Y015
 
 @_typing.final
 class LinkRecord(_message.Message):
@@ -467,6 +510,7 @@ class StatusReply(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    EVALS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     step: _builtins.int
     total_steps: _builtins.int
@@ -480,6 +524,8 @@ class StatusReply(_message.Message):
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeRecord]: ...
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkRecord]: ...
+    @_builtins.property
+    def evals(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalRecord]: ...
     def __init__(
         self,
         *,
@@ -492,10 +538,11 @@ class StatusReply(_message.Message):
         nodes: _abc.Iterable[Global___NodeRecord] | None = ...,
         links: _abc.Iterable[Global___LinkRecord] | None = ...,
         done: _builtins.bool = ...,
+        evals: _abc.Iterable[Global___EvalRecord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "done", b"done", "links", b"links", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "done", b"done", "evals", b"evals", "links", b"links", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

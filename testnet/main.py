@@ -213,6 +213,8 @@ def progress_line(status: coordinator_pb2.StatusReply, bytes_per_second: float) 
         loss = f"loss {last.loss:.4f}"
     else:
         sps, loss = 0.0, "loss -"
+    if status.evals:
+        loss += f" eval {status.evals[-1].loss:.4f}"
     return (
         f"step {len(status.steps)}/{status.total_steps} {status.phase:<8} {loss} | "
         f"{sps:6.1f} samples/s | {bytes_per_second / 1e6:6.2f} MB/s | nodes {online}/"
@@ -237,8 +239,13 @@ def build_report(
             "samples": s.samples,
             "seconds": s.seconds,
             "samples_per_second": s.samples_per_second,
+            "elapsed_s": s.elapsed_s,
         }
         for s in status.steps
+    ]
+    evals = [
+        {"step": e.step, "loss": e.loss, "tokens": e.tokens, "elapsed_s": e.elapsed_s}
+        for e in status.evals
     ]
     train_seconds = sum(s["seconds"] for s in steps)
     c = status.counters
@@ -252,7 +259,9 @@ def build_report(
             sum(s["samples"] for s in steps) / train_seconds if train_seconds else 0.0
         ),
         "final_loss": steps[-1]["loss"] if steps else None,
+        "final_eval_loss": evals[-1]["loss"] if evals else None,
         "steps": steps,
+        "evals": evals,
         "links": [
             {
                 "src": link.src_node,

@@ -98,3 +98,58 @@ def test_pause_stops_leasing_until_resumed() -> None:
     assert p.lease("h") is None
     p.start()
     assert p.lease("h") is not None
+
+
+def _run_eval_protocol(p: StepProtocol) -> list[tuple[int, bool, int, int]]:
+    """Drive a protocol to DONE; return every lease as (step, eval, start, count)."""
+    seen = []
+    while p.phase is not Phase.DONE:
+        while (lease := p.lease("h")) is not None:
+            seen.append((lease.step, lease.eval, lease.sample_start, lease.sample_count))
+            loss = 2.0 * lease.sample_count if lease.eval else 1.0
+            assert p.commit("h", lease.lease_id, loss, lease.sample_count) is None
+        if p.phase is Phase.APPLY:
+            p.await_acks({"h"})
+            p.ack("h", p.step)
+    return seen
+
+
+def test_evaluation_rounds_every_few_steps_and_after_the_last() -> None:
+    p = StepProtocol(
+        total_steps=5, global_batch=8, microbatch=4, lease_timeout_s=30.0,
+        eval_every=2, eval_samples=6, clock=Clock(),
+    )  # fmt: skip
+    p.start()
+    seen = _run_eval_protocol(p)
+    evals = [(step, start, count) for step, is_eval, start, count in seen if is_eval]
+    # Steps 0, 2 and 4 evaluate before training; the round after step 4 (step 5) only evaluates.
+    assert evals == [(s, start, count) for s in (0, 2, 4, 5) for start, count in ((0, 4), (4, 2))]
+    assert [step for step, is_eval, *_ in seen if not is_eval] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    # Evaluation samples are not training samples: the counters see training only.
+    assert p.counters.leased == p.counters.committed == 40 and p.counters.lost == 0
+    measured = [s for s in p.history if s.eval_finished_at is not None]
+    assert [s.step for s in measured] == [0, 2, 4, 5]
+    assert all(s.eval_loss == 2.0 and s.eval_tokens == 6 for s in measured)
+    assert p.history[-1].samples == 0  # the final round trained on nothing
+
+
+def test_a_lost_evaluation_lease_is_leased_again_as_evaluation() -> None:
+    p = StepProtocol(
+        total_steps=1, global_batch=4, microbatch=4, lease_timeout_s=30.0,
+        eval_every=1, eval_samples=4, clock=Clock(),
+    )  # fmt: skip
+    p.start()
+    first = p.lease("dead")
+    assert first is not None and first.eval
+    p.node_lost("dead")
+    again = p.lease("alive")
+    assert again is not None and again.eval and again.sample_start == first.sample_start
+    assert p.counters.replayed == 0 and p.outstanding_samples == 0
+    assert p.commit("dead", first.lease_id, 0.0, 1) is not None
+    assert p.counters.duplicates == 0
+
+
+def test_without_evaluation_no_evaluation_leases() -> None:
+    p = make(steps=2)
+    assert not any(is_eval for _, is_eval, *_ in _run_eval_protocol(p))
+    assert all(s.eval_finished_at is None for s in p.history)

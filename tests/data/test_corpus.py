@@ -81,6 +81,14 @@ def test_holdout_is_disjoint_from_training(text: Path) -> None:
     # The held-out windows are the last ones by position.
     last = text.read_bytes()[(n_windows - 1) * CONTEXT : n_windows * CONTEXT]
     assert held_x[-1].tolist() == list(last)
+    # An evaluation lease names a range of held-out windows: the same ones, in pieces.
+    assert torch.equal(corpus.heldout_range(2, 3)[0], held_x[2:5])
+    tail = corpus.heldout_range(corpus.n_holdout - 2, 10)[0]  # clipped to what there is
+    assert torch.equal(tail, held_x[-2:])
+    with pytest.raises(DataError, match="past the"):
+        corpus.heldout_range(corpus.n_holdout, 1)
+    with pytest.raises(DataError, match="not a valid range"):
+        corpus.heldout_range(-1, 2)
 
 
 def test_holdout_fraction_zero_trains_on_everything(text: Path) -> None:

@@ -55,12 +55,25 @@ def run_testnet(
 
 
 def test_lossless_pipeline_matches_single_process(tmp_path: Path, tiny: list[str]) -> None:
-    report = run_testnet(tmp_path, tiny, 10)
-    baseline = train_single_process(load_config(None, [*tiny, "train.steps=10"]))
+    # Evaluation rides along: 10 held-out samples (not a multiple of the microbatch) before
+    # steps 0 and 5 and after the last, forward only through the same pipeline.
+    evaluation = ["train.eval_every=5", "train.eval_samples=10"]
+    report = run_testnet(tmp_path, tiny, 10, *evaluation)
+    want_evals: list[tuple[int, float]] = []
+    config = load_config(None, [*tiny, *evaluation, "train.steps=10"])
+    baseline = train_single_process(config, evals=want_evals)
     losses = [s["loss"] for s in report["steps"]]
     assert len(losses) == 10
     for step, (got, want) in enumerate(zip(losses, baseline, strict=True)):
         assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
+    got_evals = [(e["step"], e["loss"]) for e in report["evals"]]
+    assert [s for s, _ in got_evals] == [s for s, _ in want_evals] == [0, 5, 10]
+    for (step, got), (_, want) in zip(got_evals, want_evals, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), f"eval at step {step}: {got} vs {want}"
+    assert want_evals[-1][1] < want_evals[0][1], "training did not lower the held-out loss"
+    assert report["final_eval_loss"] == got_evals[-1][1]
+    elapsed = [e["elapsed_s"] for e in report["evals"]]
+    assert elapsed == sorted(elapsed) and elapsed[-1] >= report["steps"][-1]["elapsed_s"]
     c = report["counters"]
     assert c["lost"] == 0 and c["committed"] == 10 * 16 and c["outstanding"] == 0
     # Every hop carried activations down and gradients up, losslessly.
