@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,37 +55,38 @@ def single_process(overrides: list[str], steps: int) -> dict[str, Any]:
     }
 
 
+def run_testnet_report(
+    out: Path,
+    overrides: list[str],
+    *,
+    steps: int,
+    nodes: int,
+    threads: int,
+    extra_args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Run `swarmpipe testnet` into `out` and return its report; SystemExit if it fails."""
+    cmd = [
+        sys.executable, "-m", "swarmpipe", "--log-level", "WARNING",
+        "testnet", "--quiet", "--nodes", str(nodes), "--steps", str(steps),
+        "--out", str(out), "--threads", str(threads), *extra_args,
+    ]  # fmt: skip
+    for item in overrides:
+        cmd += ["--set", item]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"testnet with {' '.join(overrides)} failed:\n{done.stderr[-3000:]}")
+    report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    return report
+
+
 def testnet(
     overrides: list[str], steps: int, nodes: int, codec: str, threads: int
 ) -> dict[str, Any]:
+    codecs = [f"pipeline.activation_codec={codec}", f"pipeline.gradient_codec={codec}"]
     with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-") as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "swarmpipe",
-            "--log-level",
-            "WARNING",
-            "testnet",
-            "--quiet",
-            "--nodes",
-            str(nodes),
-            "--steps",
-            str(steps),
-            "--out",
-            tmp,
-            "--threads",
-            str(threads),
-            "--set",
-            f"pipeline.activation_codec={codec}",
-            "--set",
-            f"pipeline.gradient_codec={codec}",
-        ]
-        for item in overrides:
-            cmd += ["--set", item]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"testnet with codec {codec} failed:\n{done.stderr[-3000:]}")
-        report = json.loads((Path(tmp) / "report.json").read_text())
+        report = run_testnet_report(
+            Path(tmp), [*codecs, *overrides], steps=steps, nodes=nodes, threads=threads
+        )
     steps_after_first = report["steps"][1:] or report["steps"]
     samples = sum(s["samples"] for s in steps_after_first)
     seconds = sum(s["seconds"] for s in steps_after_first)
