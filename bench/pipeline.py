@@ -54,9 +54,10 @@ def single_process(overrides: list[str], steps: int) -> dict[str, Any]:
     }
 
 
-def testnet(
-    overrides: list[str], steps: int, nodes: int, codec: str, threads: int
+def run_testnet(
+    overrides: list[str], steps: int, nodes: int, threads: int, *flags: str, what: str
 ) -> dict[str, Any]:
+    """Run `swarmpipe testnet` quietly in a temporary folder and return its report."""
     with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-") as tmp:
         cmd = [
             sys.executable,
@@ -74,26 +75,36 @@ def testnet(
             tmp,
             "--threads",
             str(threads),
-            "--set",
-            f"pipeline.activation_codec={codec}",
-            "--set",
-            f"pipeline.gradient_codec={codec}",
+            *flags,
         ]
         for item in overrides:
             cmd += ["--set", item]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
         if done.returncode != 0:
-            raise SystemExit(f"testnet with codec {codec} failed:\n{done.stderr[-3000:]}")
-        report = json.loads((Path(tmp) / "report.json").read_text())
+            raise SystemExit(f"testnet {what} failed:\n{done.stderr[-3000:]}")
+        report: dict[str, Any] = json.loads((Path(tmp) / "report.json").read_text())
+    return report
+
+
+def steady_samples_per_second(report: dict[str, Any]) -> float:
+    """Samples/s over every step but the first, which pays for start-up and warm-up."""
     steps_after_first = report["steps"][1:] or report["steps"]
     samples = sum(s["samples"] for s in steps_after_first)
     seconds = sum(s["seconds"] for s in steps_after_first)
+    return samples / seconds if seconds else 0.0
+
+
+def testnet(
+    overrides: list[str], steps: int, nodes: int, codec: str, threads: int
+) -> dict[str, Any]:
+    codecs = [f"pipeline.activation_codec={codec}", f"pipeline.gradient_codec={codec}"]
+    report = run_testnet([*codecs, *overrides], steps, nodes, threads, what=f"with codec {codec}")
     committed = report["counters"]["committed"]
     by_dir: dict[str, int] = {"activation": 0, "gradient": 0}
     for link in report["links"]:
         by_dir[link["direction"]] = by_dir.get(link["direction"], 0) + link["bytes"]
     return {
-        "samples_per_second": samples / seconds if seconds else 0.0,
+        "samples_per_second": steady_samples_per_second(report),
         "final_loss": report["final_loss"],
         # Summed over every hop of the pipeline (stages - 1 of them), per sample.
         "bytes_per_sample": {

@@ -4,10 +4,11 @@ The meter divides bytes by the time the link was busy sending them: from the mom
 transfer starts until the last overlapping one ends, so two transfers sharing a link are not
 each credited with the whole rate, and the idle time between transfers (while the stage
 computes) is not charged to the link. Bytes count when each message has been handed over, so
-a link that never goes idle is measured as well as one that does. A transfer of a few KiB measures round-trip latency
-rather than bandwidth, so busy time and bytes are pooled until at least `min_sample_bytes`
-have gone through before they make one sample; samples are smoothed with an EWMA, so the
-estimate follows a link that slows down or speeds up within a few samples.
+a link that never goes idle is measured as well as one that does. A transfer of a few KiB
+measures round-trip latency rather than bandwidth, so busy time and bytes are pooled until at
+least `min_sample_bytes` have gone through before they make one sample; samples are smoothed
+with an EWMA, so the estimate follows a link that slows down or speeds up within a few
+samples.
 
 Known limit: the time is taken where gRPC accepts the bytes, which on a real network is
 after HTTP/2 flow control lets them out; kernel buffers of a few hundred KiB can still make a
