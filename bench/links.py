@@ -11,9 +11,11 @@ bounds for the limited auto run:
   included, from the senders' own counters) on the busiest link direction.
 
 `auto_over_bound` says how close auto comes to the lesser of the two. Samples/s skip the
-first step, which pays for start-up. The default model is narrow and shallow so that, on a
-small CPU machine, its activations at 10 Mbit/s take longer than its compute: the regime the
-codec choice is for. Override it with --set.
+first step, which pays for start-up. On a shared machine the load changes from one minute to
+the next, so `--rounds` repeats the three runs in alternating order and the figures are
+means over the rounds (each round's own figures are printed too). The default model is
+narrow and shallow so that, on a small CPU machine, its activations at 10 Mbit/s take longer
+than its compute: the regime the codec choice is for. Override it with --set.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-mbit", type=float, default=10.0, help="limit on every link, each direction"
     )
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per testnet")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="repeat the three runs, alternating their order"
+    )
     parser.add_argument("--nodes", type=int, default=3, help="testnet nodes")
     add_config_arguments(parser, with_file=False)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
@@ -83,27 +88,51 @@ def link_summary(report: dict[str, Any], limit_mbit: float) -> dict[str, Any]:
     return summary
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def serve(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     settings = [*BENCH_SETTINGS, *args.set]
     config = load_config(None, [*settings, *AUTO])  # a bad --set fails before any run
-
-    def run(codecs: list[str], *flags: str, what: str) -> dict[str, Any]:
-        report = run_testnet(
-            [*settings, *codecs], args.steps, args.nodes, args.threads, *flags, what=what
-        )
-        limit = args.link_mbit if flags else 0.0
-        return link_summary(report, limit)
-
     limit = ("--link-mbit", str(args.link_mbit))
-    lossless = run(LOSSLESS, *limit, what=f"lossless at {args.link_mbit} Mbit/s")
-    auto = run(AUTO, *limit, what=f"auto at {args.link_mbit} Mbit/s")
-    unlimited = run(AUTO, what="auto without a limit")
+    runs: dict[str, tuple[list[str], tuple[str, ...]]] = {
+        "lossless": (LOSSLESS, limit),
+        "auto": (AUTO, limit),
+        "unlimited": (AUTO, ()),
+    }
+    summaries: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    for round_index in range(args.rounds):
+        order = list(runs) if round_index % 2 == 0 else list(reversed(runs))
+        for name in order:
+            codecs, flags = runs[name]
+            report = run_testnet(
+                [*settings, *codecs], args.steps, args.nodes, args.threads, *flags, what=name
+            )
+            summaries[name].append(link_summary(report, args.link_mbit if flags else 0.0))
+
+    def combined(name: str) -> dict[str, Any]:
+        """The last round's details, with samples/s (and link bound) averaged over rounds."""
+        rounds = summaries[name]
+        summary = dict(rounds[-1])
+        per_round = [r["samples_per_second"] for r in rounds]
+        summary["samples_per_second"] = _mean(per_round)
+        summary["samples_per_second_per_round"] = per_round
+        if "link_bound_samples_per_second" in summary:
+            bounds = [r["link_bound_samples_per_second"] for r in rounds]
+            summary["link_bound_samples_per_second"] = _mean(bounds)
+        return summary
+
+    lossless, auto, unlimited = combined("lossless"), combined("auto"), combined("unlimited")
     compute_bound = unlimited["samples_per_second"]
     link_bound = auto.get("link_bound_samples_per_second", float("inf"))
     bound = min(compute_bound, link_bound)
     result: dict[str, Any] = {
         "link_mbit": args.link_mbit,
         "steps": args.steps,
+        "rounds": args.rounds,
         "nodes": args.nodes,
         "settings": settings,
         "model": {

@@ -31,6 +31,12 @@ UPGRADE_HEADROOM = 0.7
 the budget, while a codec that no longer fits is replaced at once: measurements wobble, and a
 link sitting near the boundary would otherwise flap between two codecs."""
 
+UPGRADE_PATIENCE = 8
+"""Consecutive tensors for which a less lossy codec must fit (with headroom) before a
+`CodecChooser` moves to it. Compute times on a shared machine swing by several times from one
+microbatch to the next; a link that compresses a little more than it needs for a few tensors
+costs nothing in throughput, one that flaps back too early costs a slow transfer."""
+
 
 def candidates(dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
     """The Codec values auto mode may use for tensors of `dtype`, least lossy first."""
@@ -98,15 +104,27 @@ class CodecChooser:
     """The codec one direction of one link sends with, moved as the measured figures change.
 
     Starts lossless (the least lossy candidate) until both the bandwidth and the compute
-    budget have been measured: a link nobody has measured yet is not assumed to be slow.
+    budget have been measured: a link nobody has measured yet is not assumed to be slow. Moves
+    to a lossier codec as soon as `pick_codec` says so, to a less lossy one only after it has
+    said so `patience` times in a row.
     """
 
-    def __init__(self, codec_ids: Sequence[int], *, headroom: float = UPGRADE_HEADROOM) -> None:
+    def __init__(
+        self,
+        codec_ids: Sequence[int],
+        *,
+        headroom: float = UPGRADE_HEADROOM,
+        patience: int = UPGRADE_PATIENCE,
+    ) -> None:
         if not codec_ids:
             raise ValueError("a CodecChooser needs at least one codec")
+        if patience < 1:
+            raise ValueError(f"patience must be >= 1, not {patience}")
         self.codec_ids = tuple(codec_ids)
         self.headroom = headroom
+        self.patience = patience
         self.current = self.codec_ids[0]
+        self._upgrade_votes = 0
 
     def update(
         self,
@@ -116,13 +134,22 @@ class CodecChooser:
         budget_seconds: float | None,
     ) -> int:
         """The codec to send the next tensor with (wire `sizes` per codec); updates `current`."""
-        if bytes_per_second and budget_seconds:
-            self.current = pick_codec(
-                self.codec_ids,
-                sizes,
-                bytes_per_second=bytes_per_second,
-                budget_seconds=budget_seconds,
-                current=self.current,
-                headroom=self.headroom,
-            )
+        if not (bytes_per_second and budget_seconds):
+            return self.current
+        picked = pick_codec(
+            self.codec_ids,
+            sizes,
+            bytes_per_second=bytes_per_second,
+            budget_seconds=budget_seconds,
+            current=self.current,
+            headroom=self.headroom,
+        )
+        if self.codec_ids.index(picked) >= self.codec_ids.index(self.current):
+            self._upgrade_votes = 0
+            self.current = picked
+        else:
+            self._upgrade_votes += 1
+            if self._upgrade_votes >= self.patience:
+                self._upgrade_votes = 0
+                self.current = picked
         return self.current

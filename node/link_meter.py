@@ -18,7 +18,9 @@ there the measurement is exact.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 MIN_SAMPLE_BYTES = 64 * 1024
@@ -44,6 +46,26 @@ class Ewma:
         else:
             self.value += self.weight * (sample - self.value)
         return self.value
+
+
+class RecentMedian:
+    """The median of the last `window` samples; None until the first.
+
+    For compute times on a shared machine: one microbatch preempted for a moment takes several
+    times as long as the next, and a median shrugs that off where an average follows it.
+    """
+
+    def __init__(self, window: int = 16) -> None:
+        if window < 1:
+            raise ValueError(f"a median window holds at least one sample, not {window}")
+        self._samples: deque[float] = deque(maxlen=window)
+
+    def add(self, sample: float) -> None:
+        self._samples.append(sample)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self._samples) if self._samples else None
 
 
 class BandwidthMeter:

@@ -27,7 +27,7 @@ from swarmpipe.compression import DEFAULT_BLOCK_SIZE
 from swarmpipe.compression.link_choice import CodecChooser, candidates, wire_bytes
 from swarmpipe.config import codec_name
 from swarmpipe.node.link_limit import TokenBucket
-from swarmpipe.node.link_meter import BandwidthMeter, Ewma
+from swarmpipe.node.link_meter import BandwidthMeter, RecentMedian
 from swarmpipe.protos import control_pb2
 
 logger = logging.getLogger(__name__)
@@ -119,9 +119,10 @@ class Links:
         self._links: dict[str, _Link] = {}
         self.limit_bytes_per_second = 0.0
         self.block_size = DEFAULT_BLOCK_SIZE
-        self.compute = Ewma()
-        """Seconds of forward plus backward per microbatch on this node: the time budget a
-        tensor's transfer must fit in for the link not to slow the pipeline."""
+        self.compute = RecentMedian()
+        """Seconds of forward plus backward per microbatch on this node (median of the last
+        few): the time budget a tensor's transfer must fit in for the link not to slow the
+        pipeline."""
 
     def configure(self, *, limit_bytes_per_second: float, block_size: int) -> None:
         """Set the send limit (0: none) and the blockwise codecs' block size, before any send."""

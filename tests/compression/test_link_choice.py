@@ -9,6 +9,7 @@ from swarmpipe.compression import CODECS_BY_NAME, encode_tensor
 from swarmpipe.compression.link_choice import (
     LOSSINESS_ORDER,
     UPGRADE_HEADROOM,
+    UPGRADE_PATIENCE,
     CodecChooser,
     candidates,
     pick_codec,
@@ -114,5 +115,25 @@ def test_chooser_follows_a_link_that_slows_down_and_speeds_up_without_flapping()
     # Wobbling around the int8 boundary stays put once on int4.
     for wobble in (0.98, 1.02, 0.97, 1.05):
         step(sizes[3] / budget * wobble)
-    step(lossless / budget * 4)  # fast again: back to lossless
-    assert names == ["lossless", "lossless", "int4", "int4", "int4", "int4", "int4", "lossless"]
+    # Fast again: back to lossless, once the link has stayed fast for a while.
+    for _ in range(UPGRADE_PATIENCE):
+        step(lossless / budget * 4)
+    expected = ["lossless", "lossless", *["int4"] * (5 + UPGRADE_PATIENCE - 1), "lossless"]
+    assert names == expected
+
+
+def test_chooser_needs_a_run_of_agreeing_figures_to_relax_and_none_to_compress() -> None:
+    chooser = CodecChooser(candidates(), patience=3)
+    sizes = _sizes()
+    fast, slow = sizes[0] / 0.01, sizes[-1] / 0.06
+
+    def update(bandwidth: float) -> str:
+        codec = chooser.update(sizes, bytes_per_second=bandwidth, budget_seconds=0.05)
+        return CODECS_BY_NAME_BY_ID[codec]
+
+    assert update(slow) == "int4"  # compressing: at once
+    # One slow figure among fast ones restarts the count.
+    assert [update(fast), update(fast), update(slow), update(fast), update(fast)] == ["int4"] * 5
+    assert update(fast) == "lossless"
+    with pytest.raises(ValueError, match="patience"):
+        CodecChooser(candidates(), patience=0)

@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.ready import poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -67,3 +71,44 @@ def test_auto_compresses_on_limited_links_and_reports_when(tmp_path: Path, tiny:
     compressed = sum(link["tensors"] for link in report["links"] if link["codec"] != "lossless")
     lossless = sum(link["tensors"] for link in report["links"] if link["codec"] == "lossless")
     assert compressed > 2 * lossless
+
+
+def test_one_node_can_have_its_own_slow_link(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    coordinator = procs.coordinator(*tiny, *AUTO, "train.steps=5")
+    # Joined one after another, the nodes take stages 0, 1, 2; only stage 1 sends slowly.
+    procs.node("n0", coordinator)
+    procs.node("n1", coordinator, "--link-mbit", "1")
+    procs.node("n2", coordinator)
+    channel = grpc.insecure_channel(coordinator)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def finished() -> coordinator_pb2.StatusReply | None:
+        status = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
+        senders = {c.src_node for c in status.link_choices}
+        return status if status.done and senders == {"n0", "n1", "n2"} else None
+
+    try:
+        status = poll_until(finished, 240, "the run to finish and every node to report")
+    finally:
+        channel.close()
+    assert {n.node_id: n.stage for n in status.nodes} == {"n0": 0, "n1": 1, "n2": 2}
+    limits = {(c.src_node, c.dst_node, c.direction): c for c in status.link_choices}
+    assert set(limits) == {
+        ("n0", "n1", "activation"),
+        ("n1", "n2", "activation"),
+        ("n1", "n0", "gradient"),
+        ("n2", "n1", "gradient"),
+    }
+    for (src, _, _), choice in limits.items():
+        assert choice.limit_bytes_per_second == (125_000.0 if src == "n1" else 0.0)
+        if src == "n1":
+            assert choice.codec != "lossless" and choice.changes[0].codec == "lossless"
+
+
+def test_a_negative_node_link_limit_is_a_clear_error() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "swarmpipe", "node", "--coordinator", "127.0.0.1:9",
+         "--link-mbit", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--link-mbit -1.0 must be >= 0" in done.stderr

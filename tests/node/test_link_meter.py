@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmpipe.node.link_meter import BandwidthMeter, Ewma
+from swarmpipe.node.link_meter import BandwidthMeter, Ewma, RecentMedian
 
 KIB = 1024
 
@@ -98,3 +98,14 @@ def test_ewma() -> None:
     assert average.add(2.0) == 3.0
     with pytest.raises(ValueError):
         Ewma(0.0)
+
+
+def test_recent_median_ignores_one_slow_microbatch() -> None:
+    median = RecentMedian(window=4)
+    assert median.value is None
+    for seconds in (0.01, 0.01, 0.5, 0.012):
+        median.add(seconds)
+    assert median.value == pytest.approx(0.011)
+    for seconds in (0.2, 0.2, 0.2):  # the window moves on: a lasting slow-down shows
+        median.add(seconds)
+    assert median.value == pytest.approx(0.2)
