@@ -119,7 +119,9 @@ class Plan(_message.Message):
     version: _builtins.int
     num_stages: _builtins.int
     activation_codec: _tensor_pb2.Codec.ValueType
+    """CODEC_UNSPECIFIED: auto, each sender picks per link"""
     gradient_codec: _tensor_pb2.Codec.ValueType
+    """CODEC_UNSPECIFIED: auto, each sender picks per link"""
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagePlan]: ...
     @_builtins.property
