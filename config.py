@@ -29,11 +29,19 @@ _CODEC_ENUMS = {
 }
 CODEC_NAMES = tuple(_CODEC_ENUMS)
 
+AUTO_CODEC = "auto"
+"""The codec setting that lets each sender pick a codec per link from what it measures."""
+
 
 def codec_enum(name: str) -> int:
-    """The tensor_pb2.Codec value of a codec's config name."""
+    """The tensor_pb2.Codec value of a codec's config name.
+
+    "auto" is CODEC_UNSPECIFIED: no codec is fixed, each sender chooses per link.
+    """
     from swarmpipe.protos import tensor_pb2
 
+    if name == AUTO_CODEC:
+        return tensor_pb2.CODEC_UNSPECIFIED
     return tensor_pb2.Codec.Value(_CODEC_ENUMS[name])
 
 
@@ -144,9 +152,16 @@ class PipelineConfig:
     stages: int = 3
     """Pipeline stages; each node serves one."""
     activation_codec: str = "lossless"
-    """Codec for activations sent downstream: lossless, fp16, bf16, int8 or int4."""
+    """Codec for activations sent downstream: lossless, fp16, bf16, int8 or int4, or auto:
+    each sender picks, per downstream peer, the least lossy codec whose transfer at the
+    link's measured bandwidth fits in its compute time per microbatch."""
     gradient_codec: str = "lossless"
-    """Codec for gradients sent upstream: lossless, fp16, bf16, int8 or int4."""
+    """Codec for gradients sent upstream: lossless, fp16, bf16, int8 or int4, or auto (each
+    gradient's sender picks per upstream peer, as for activations)."""
+    link_mbit: float = 0.0
+    """Limit on what each node sends to each peer, in Mbit/s (each direction of a link is
+    limited on its own, like a full-duplex line); 0 means unlimited. For testnets and
+    experiments on fast networks; `swarmpipe node --link-mbit` overrides it per node."""
     int8_block_size: int = 256
     """Elements per absmax block of the int8 and int4 codecs."""
     in_flight: int = 2
@@ -162,10 +177,15 @@ class PipelineConfig:
             raise ConfigError("pipeline.stages must be >= 1")
         for name in ("activation_codec", "gradient_codec"):
             value = getattr(self, name)
-            if value not in CODEC_NAMES:
+            if value not in (*CODEC_NAMES, AUTO_CODEC):
                 raise ConfigError(
-                    f"pipeline.{name}={value!r} is not one of {', '.join(CODEC_NAMES)}"
+                    f"pipeline.{name}={value!r} is not one of "
+                    f"{', '.join(CODEC_NAMES)}, {AUTO_CODEC}"
                 )
+        if not self.link_mbit >= 0:  # also refuses NaN
+            raise ConfigError(
+                f"pipeline.link_mbit={self.link_mbit} must be >= 0 Mbit/s (0: unlimited)"
+            )
         if self.int8_block_size < 1:
             raise ConfigError("pipeline.int8_block_size must be >= 1")
         if self.hop_timeout_s <= 0 or self.reduce_timeout_s <= 0:

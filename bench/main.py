@@ -14,6 +14,7 @@ from typing import Any
 BENCHMARKS: dict[str, str] = {
     "pipeline": "testnet samples/s beside single-process training, wire bytes per codec",
     "slowlink": "held-out loss against wall-clock time on rate-limited links, as a PNG",
+    "links": "lossless against auto codec choice with every link limited, beside both bounds",
 }
 """Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,47 +54,57 @@ def single_process(overrides: list[str], steps: int) -> dict[str, Any]:
     }
 
 
-def run_testnet_report(
-    out: Path,
-    overrides: list[str],
-    *,
-    steps: int,
-    nodes: int,
-    threads: int,
-    extra_args: Sequence[str] = (),
+def run_testnet(
+    overrides: list[str], steps: int, nodes: int, threads: int, *flags: str, what: str
 ) -> dict[str, Any]:
-    """Run `swarmpipe testnet` into `out` and return its report; SystemExit if it fails."""
-    cmd = [
-        sys.executable, "-m", "swarmpipe", "--log-level", "WARNING",
-        "testnet", "--quiet", "--nodes", str(nodes), "--steps", str(steps),
-        "--out", str(out), "--threads", str(threads), *extra_args,
-    ]  # fmt: skip
-    for item in overrides:
-        cmd += ["--set", item]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"testnet with {' '.join(overrides)} failed:\n{done.stderr[-3000:]}")
-    report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    """Run `swarmpipe testnet` quietly in a temporary folder and return its report."""
+    with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-") as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "swarmpipe",
+            "--log-level",
+            "WARNING",
+            "testnet",
+            "--quiet",
+            "--nodes",
+            str(nodes),
+            "--steps",
+            str(steps),
+            "--out",
+            tmp,
+            "--threads",
+            str(threads),
+            *flags,
+        ]
+        for item in overrides:
+            cmd += ["--set", item]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"testnet {what} failed:\n{done.stderr[-3000:]}")
+        report: dict[str, Any] = json.loads((Path(tmp) / "report.json").read_text())
     return report
+
+
+def steady_samples_per_second(report: dict[str, Any]) -> float:
+    """Samples/s over every step but the first, which pays for start-up and warm-up."""
+    steps_after_first = report["steps"][1:] or report["steps"]
+    samples = sum(s["samples"] for s in steps_after_first)
+    seconds = sum(s["seconds"] for s in steps_after_first)
+    return samples / seconds if seconds else 0.0
 
 
 def testnet(
     overrides: list[str], steps: int, nodes: int, codec: str, threads: int
 ) -> dict[str, Any]:
     codecs = [f"pipeline.activation_codec={codec}", f"pipeline.gradient_codec={codec}"]
-    with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-") as tmp:
-        report = run_testnet_report(
-            Path(tmp), [*codecs, *overrides], steps=steps, nodes=nodes, threads=threads
-        )
-    steps_after_first = report["steps"][1:] or report["steps"]
-    samples = sum(s["samples"] for s in steps_after_first)
-    seconds = sum(s["seconds"] for s in steps_after_first)
+    report = run_testnet([*codecs, *overrides], steps, nodes, threads, what=f"with codec {codec}")
     committed = report["counters"]["committed"]
     by_dir: dict[str, int] = {"activation": 0, "gradient": 0}
     for link in report["links"]:
         by_dir[link["direction"]] = by_dir.get(link["direction"], 0) + link["bytes"]
     return {
-        "samples_per_second": samples / seconds if seconds else 0.0,
+        "samples_per_second": steady_samples_per_second(report),
         "final_loss": report["final_loss"],
         # Summed over every hop of the pipeline (stages - 1 of them), per sample.
         "bytes_per_sample": {

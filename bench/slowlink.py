@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from swarmpipe.bench.pipeline import run_testnet_report
+from swarmpipe.bench.pipeline import run_testnet, steady_samples_per_second
 from swarmpipe.config import add_config_arguments, load_config
 from swarmpipe.errors import ConfigError
 
@@ -91,19 +90,19 @@ def serve(args: argparse.Namespace) -> int:
         load_config(None, [*common, *items])  # a bad key fails before any run starts
     runs: dict[str, dict[str, Any]] = {}
     for name, items in settings:
-        with tempfile.TemporaryDirectory(prefix="swarmpipe-slowlink-") as tmp:
-            report = run_testnet_report(
-                Path(tmp),
-                [*common, *items],
-                steps=args.steps,
-                nodes=args.nodes,
-                threads=args.threads,
-                extra_args=["--link-mbit", str(args.link_mbit)],
-            )
+        report = run_testnet(
+            [*common, *items],
+            args.steps,
+            args.nodes,
+            args.threads,
+            "--link-mbit",
+            str(args.link_mbit),
+            what=name,
+        )
         committed = max(report["counters"]["committed"], 1)
         runs[name] = {
             "settings": items,
-            "samples_per_second": report["samples_per_second"],
+            "samples_per_second": steady_samples_per_second(report),
             "wall_seconds": report["wall_seconds"],
             "final_eval_loss": report["final_eval_loss"],
             "evals": report["evals"],

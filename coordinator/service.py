@@ -284,6 +284,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     samples_per_second=t.samples_per_second if t else 0.0,
                     last_step=max(m.last_step, 0),
                     param_digest=m.param_digest,
+                    compute_seconds_per_microbatch=t.compute_seconds_per_microbatch if t else 0.0,
                 )
             )
             for link in t.links if t else ():
@@ -297,6 +298,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         tensors=link.tensors,
                     )
                 )
+            for estimate in t.link_estimates if t else ():
+                reply.link_choices.append(_link_choice_record(m.node_id, estimate))
         return reply
 
     # -- MQTT -----------------------------------------------------------
@@ -362,3 +365,28 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         await self._publish_plan()
         await self._after_change()
+
+
+def _link_choice_record(
+    src_node: str, estimate: control_pb2.LinkEstimate
+) -> coordinator_pb2.LinkChoiceRecord:
+    """A node's telemetry about one of its link directions, with codec names for people."""
+    return coordinator_pb2.LinkChoiceRecord(
+        src_node=src_node,
+        dst_node=estimate.peer,
+        direction=estimate.direction,
+        bytes_per_second=estimate.bytes_per_second,
+        limit_bytes_per_second=estimate.limit_bytes_per_second,
+        wire_bytes=estimate.wire_bytes,
+        codec=codec_name(estimate.codec),
+        changes=[
+            coordinator_pb2.CodecChangeRecord(
+                timestamp=c.timestamp,
+                step=c.step,
+                codec=codec_name(c.codec),
+                bytes_per_second=c.bytes_per_second,
+                budget_seconds=c.budget_seconds,
+            )
+            for c in estimate.changes
+        ],
+    )

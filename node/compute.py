@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,8 +34,6 @@ class ComputeWorker:
         self.busy_seconds = 0.0
 
     def _run(self) -> None:
-        import time
-
         while True:
             priority, _, job = self._queue.get()
             if priority == _STOP:
@@ -56,6 +55,21 @@ class ComputeWorker:
         future: asyncio.Future[T] = loop.create_future()
         self._queue.put((priority, next(self._order), (fn, future, loop)))
         return await future
+
+    async def run_timed(self, priority: int, fn: Callable[[], T]) -> tuple[T, float]:
+        """Run fn like `run`; also return the seconds it ran (waiting in the queue excluded)."""
+        seconds = 0.0
+
+        def timed() -> T:
+            nonlocal seconds
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                seconds = time.perf_counter() - start
+
+        result = await self.run(priority, timed)
+        return result, seconds
 
     @property
     def queued(self) -> int:

@@ -30,6 +30,8 @@ from swarmpipe.logs import set_log_identity
 from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.head import Head
+from swarmpipe.node.link_limit import MBIT
+from swarmpipe.node.links import Links
 from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
@@ -69,6 +71,8 @@ class NodeOptions:
     join_timeout_s: float = 30.0
     """Give up (exit code 3) when the coordinator does not answer for this long."""
     ready_file: str = ""
+    link_mbit: float | None = None
+    """Send limit per peer in Mbit/s overriding the run's pipeline.link_mbit; 0: unlimited."""
 
 
 def _route_host(target_host: str) -> str:
@@ -92,7 +96,8 @@ class NodeDaemon:
         self.runtime: StageRuntime | None = None
         self.compute = ComputeWorker()
         self.stats = LinkStats()
-        self.router = Router(self.node_id, self.stats)
+        self.links = Links()
+        self.router = Router(self.node_id, self.stats, self.links)
         self.activation_codec = 0
         self.gradient_codec = 0
         self.in_flight = 0
@@ -188,6 +193,13 @@ class NodeDaemon:
             set_log_identity(f"node {self.node_id} stage {self.stage}")
             self.activation_codec = codec_enum(self.config.pipeline.activation_codec)
             self.gradient_codec = codec_enum(self.config.pipeline.gradient_codec)
+            link_mbit = self.options.link_mbit
+            if link_mbit is None:
+                link_mbit = self.config.pipeline.link_mbit
+            self.links.configure(
+                limit_bytes_per_second=link_mbit * MBIT,
+                block_size=self.config.pipeline.int8_block_size,
+            )
             config, stage = self.config, self.stage
             self.runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
             n_params = sum(p.numel() for p in self.runtime.module.parameters())
@@ -417,6 +429,8 @@ class NodeDaemon:
             in_flight=self.in_flight,
             links=self.stats.snapshot(),
             timestamp=time.time(),
+            link_estimates=self.links.snapshot(),
+            compute_seconds_per_microbatch=self.links.compute.value or 0.0,
         )
 
 

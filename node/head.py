@@ -120,7 +120,7 @@ class Head:
                 )
                 loss_sum, n_tokens = last.loss_sum, last.tokens
             else:
-                output = await d.compute.run(
+                output, forward_s = await d.compute.run_timed(
                     FORWARD, lambda: runtime.forward(key, microbatch_id, tokens)
                 )
                 hop = await self._send_with_retries(header, output)
@@ -129,7 +129,10 @@ class Head:
                     return
                 grad = hop.grad_input
                 assert grad is not None
-                await d.compute.run(BACKWARD, lambda: runtime.backward(key, grad))
+                _, backward_s = await d.compute.run_timed(
+                    BACKWARD, lambda: runtime.backward(key, grad)
+                )
+                d.links.record_compute(forward_s + backward_s)
                 loss_sum, n_tokens = hop.result.loss_sum, hop.result.tokens
         finally:
             d.in_flight -= 1

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import signal
 
+from swarmpipe.errors import ConfigError
 from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
 
 
@@ -27,9 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait to join")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--ready-file", default="", help="write the bound port here as JSON")
+    parser.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="limit what this node sends to each peer to this many Mbit/s (0: unlimited); "
+        "overrides the run's pipeline.link_mbit",
+    )
 
 
 async def serve(args: argparse.Namespace) -> int:
+    if args.link_mbit is not None and not args.link_mbit >= 0:
+        raise ConfigError(f"--link-mbit {args.link_mbit} must be >= 0 (0: unlimited)")
     set_torch_threads(args.threads)
     options = NodeOptions(
         coordinator=args.coordinator,
@@ -39,6 +49,7 @@ async def serve(args: argparse.Namespace) -> int:
         broker=args.broker,
         join_timeout_s=args.join_timeout,
         ready_file=args.ready_file,
+        link_mbit=args.link_mbit,
     )
     daemon = NodeDaemon(options)
     loop = asyncio.get_running_loop()

@@ -17,6 +17,7 @@ the step's parameter digests (reported to the coordinator) make that visible.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ import torch
 
 from swarmpipe.errors import PeerError
 from swarmpipe.node.compute import BACKWARD
+from swarmpipe.node.links import Transfer
 from swarmpipe.node.transport import TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -100,20 +102,31 @@ class ReplicaSync:
         d = self.daemon
         config = d.config
         assert config is not None
-        encoded = await encode(own[0], tensor_pb2.CODEC_LOSSLESS, 0)
+        codec = d.links.codec_for(
+            peer, "reduce", own[0], step=step, requested=tensor_pb2.CODEC_LOSSLESS
+        )
+        encoded = await encode(own[0], codec, 0)
         header = stage_pb2.ReduceHeader(
             step=step, sender_node=d.node_id, tokens=own[1], samples=own[2]
         )
 
-        async def messages() -> AsyncIterator[stage_pb2.ReduceMessage]:
-            yield stage_pb2.ReduceMessage(header=header)
-            yield stage_pb2.ReduceMessage(tensor=encoded.header)
-            for chunk in encoded.chunks:
-                yield stage_pb2.ReduceMessage(chunk=tensor_pb2.TensorChunk(data=chunk))
+        async def messages(link: Transfer) -> AsyncIterator[stage_pb2.ReduceMessage]:
+            first = [
+                stage_pb2.ReduceMessage(header=header),
+                stage_pb2.ReduceMessage(tensor=encoded.header),
+            ]
+            chunks = (
+                stage_pb2.ReduceMessage(chunk=tensor_pb2.TensorChunk(data=c))
+                for c in encoded.chunks
+            )
+            for message in itertools.chain(first, chunks):
+                await link.pace(message.ByteSize())
+                yield message
 
         stub = stage_pb2_grpc.StageStub(d.router.channel(address))
         try:
-            await stub.Reduce(messages(), timeout=config.pipeline.reduce_timeout_s)
+            async with d.links.transfer(peer, "reduce") as link:
+                await stub.Reduce(messages(link), timeout=config.pipeline.reduce_timeout_s)
             d.stats.record(peer, "reduce", tensor_pb2.CODEC_LOSSLESS, encoded.payload_bytes)
         except grpc.aio.AioRpcError as exc:
             logger.warning("could not send step %d's gradient to %s: %s", step, peer, exc.details())

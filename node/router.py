@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from swarmpipe.errors import CodecError, PeerError
+from swarmpipe.node.links import Links
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from swarmpipe.rpc import open_channel
@@ -44,9 +45,12 @@ class HopResult:
 class Router:
     """Holds channels to peers and the latest plan; sends microbatches downstream."""
 
-    def __init__(self, node_id: str, stats: LinkStats, *, seed: int | None = None) -> None:
+    def __init__(
+        self, node_id: str, stats: LinkStats, links: Links, *, seed: int | None = None
+    ) -> None:
         self.node_id = node_id
         self.stats = stats
+        self.links = links
         self.plan: control_pb2.Plan | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: dict[str, int] = defaultdict(int)
@@ -89,18 +93,26 @@ class Router:
         block_size: int,
         timeout: float,
     ) -> HopResult:
-        """Send one microbatch to a replica of `stage`; return its input gradient and result."""
+        """Send one microbatch to a replica of `stage`; return its input gradient and result.
+
+        `codec` 0 (auto) lets the link to the chosen replica pick one.
+        """
         replica = self.pick(stage)
         peer = replica.node_id
+        codec = self.links.codec_for(
+            peer, "activation", activation, step=header.step, requested=codec
+        )
         encoded = await encode(activation, codec, block_size)
         stub = stage_pb2_grpc.StageStub(self.channel(replica.address))
         self._in_flight[peer] += 1
         try:
             call = stub.Forward(timeout=timeout)
-            await call.write(stage_pb2.ForwardMessage(microbatch=header))
-            await call.write(stage_pb2.ForwardMessage(tensor=encoded.header))
-            for chunk in encoded.chunks:
-                await call.write(stage_pb2.ForwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk)))
+            async with self.links.transfer(peer, "activation") as link:
+                await link.write(call.write, stage_pb2.ForwardMessage(microbatch=header))
+                await link.write(call.write, stage_pb2.ForwardMessage(tensor=encoded.header))
+                for chunk in encoded.chunks:
+                    message = stage_pb2.ForwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk))
+                    await link.write(call.write, message)
             await call.done_writing()
             self.stats.record(peer, "activation", codec, encoded.payload_bytes)
             reader: TensorReader | None = None

@@ -191,15 +191,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         d.in_flight += 1
         try:
             if runtime.is_last:
-                last = await d.compute.run(
+                last, seconds = await d.compute.run_timed(
                     FORWARD, lambda: runtime.forward_last(header.microbatch_id, activation, labels)
                 )
+                d.links.record_compute(seconds)
                 grad_input = last.grad_input
                 result = stage_pb2.MicrobatchResult(
                     loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
                 )
             else:
-                output = await d.compute.run(
+                output, forward_s = await d.compute.run_timed(
                     FORWARD, lambda: runtime.forward(key, header.microbatch_id, activation)
                 )
                 downstream = stage_pb2.MicrobatchHeader()
@@ -226,12 +227,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 grad_output = hop.grad_input
                 assert grad_output is not None
                 try:
-                    grad_input = await d.compute.run(
+                    grad_input, backward_s = await d.compute.run_timed(
                         BACKWARD, lambda: runtime.backward(key, grad_output)
                     )
                 except PeerError as exc:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"bad gradient: {exc}")
                     raise  # unreachable
+                d.links.record_compute(forward_s + backward_s)
                 result = stage_pb2.MicrobatchResult()
                 result.CopyFrom(hop.result)
                 result.stages_done += 1
@@ -240,13 +242,24 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # A call cancelled mid-way must not leave its graph behind.
             await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
         assert grad_input is not None
-        codec = header.gradient_codec or d.gradient_codec
-        encoded = await encode(grad_input, codec, d.config.pipeline.int8_block_size)
-        yield stage_pb2.BackwardMessage(tensor=encoded.header)
-        for chunk in encoded.chunks:
-            yield stage_pb2.BackwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk))
-        d.stats.record(
-            header.sender_node or header.origin_node, "gradient", codec, encoded.payload_bytes
+        # The sender's request wins; without one (auto mode), the link to it picks.
+        peer = header.sender_node or header.origin_node
+        codec = d.links.codec_for(
+            peer,
+            "gradient",
+            grad_input,
+            step=header.step,
+            requested=header.gradient_codec or d.gradient_codec,
         )
+        encoded = await encode(grad_input, codec, d.config.pipeline.int8_block_size)
+        async with d.links.transfer(peer, "gradient") as link:
+            message = stage_pb2.BackwardMessage(tensor=encoded.header)
+            await link.pace(message.ByteSize())
+            yield message
+            for chunk in encoded.chunks:
+                message = stage_pb2.BackwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk))
+                await link.pace(message.ByteSize())
+                yield message
+        d.stats.record(peer, "gradient", codec, encoded.payload_bytes)
         d.samples_processed += header.sample_count
         yield stage_pb2.BackwardMessage(result=result)

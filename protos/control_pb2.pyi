@@ -119,7 +119,9 @@ class Plan(_message.Message):
     version: _builtins.int
     num_stages: _builtins.int
     activation_codec: _tensor_pb2.Codec.ValueType
+    """CODEC_UNSPECIFIED: auto, each sender picks per link"""
     gradient_codec: _tensor_pb2.Codec.ValueType
+    """CODEC_UNSPECIFIED: auto, each sender picks per link"""
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagePlan]: ...
     @_builtins.property
@@ -232,6 +234,90 @@ class LinkCounter(_message.Message):
 Global___LinkCounter: _TypeAlias = LinkCounter  # noqa: Y015
 
 @_typing.final
+class CodecChange(_message.Message):
+    """From `timestamp` on, a link direction sent its tensors with `codec`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMESTAMP_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    CODEC_FIELD_NUMBER: _builtins.int
+    BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    BUDGET_SECONDS_FIELD_NUMBER: _builtins.int
+    timestamp: _builtins.float
+    """unix seconds on the sender's clock"""
+    step: _builtins.int
+    """the step of the first tensor sent with it"""
+    codec: _tensor_pb2.Codec.ValueType
+    bytes_per_second: _builtins.float
+    """measured bandwidth that led to it; 0: not measured yet"""
+    budget_seconds: _builtins.float
+    """compute time per microbatch it had to fit in; 0: unknown"""
+    def __init__(
+        self,
+        *,
+        timestamp: _builtins.float = ...,
+        step: _builtins.int = ...,
+        codec: _tensor_pb2.Codec.ValueType = ...,
+        bytes_per_second: _builtins.float = ...,
+        budget_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_seconds", b"budget_seconds", "bytes_per_second", b"bytes_per_second", "codec", b"codec", "step", b"step", "timestamp", b"timestamp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CodecChange: _TypeAlias = CodecChange  # noqa: Y015
+
+@_typing.final
+class LinkEstimate(_message.Message):
+    """What this node measured and chose on one direction of one link (it is the sender)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_FIELD_NUMBER: _builtins.int
+    DIRECTION_FIELD_NUMBER: _builtins.int
+    BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    LIMIT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    WIRE_BYTES_FIELD_NUMBER: _builtins.int
+    CODEC_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    peer: _builtins.str
+    direction: _builtins.str
+    """"activation", "gradient" or "reduce" """
+    bytes_per_second: _builtins.float
+    """measured on the link to the peer (shared by directions); 0: not yet"""
+    limit_bytes_per_second: _builtins.float
+    """this node's send limit to the peer; 0: none"""
+    wire_bytes: _builtins.int
+    """every byte sent this way, message framing included"""
+    codec: _tensor_pb2.Codec.ValueType
+    """the codec it sends with now"""
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___CodecChange]:
+        """oldest first; the first says when the link was first used"""
+
+    def __init__(
+        self,
+        *,
+        peer: _builtins.str = ...,
+        direction: _builtins.str = ...,
+        bytes_per_second: _builtins.float = ...,
+        limit_bytes_per_second: _builtins.float = ...,
+        wire_bytes: _builtins.int = ...,
+        codec: _tensor_pb2.Codec.ValueType = ...,
+        changes: _abc.Iterable[Global___CodecChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "changes", b"changes", "codec", b"codec", "direction", b"direction", "limit_bytes_per_second", b"limit_bytes_per_second", "peer", b"peer", "wire_bytes", b"wire_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkEstimate: _TypeAlias = LinkEstimate  # noqa: Y015
+
+@_typing.final
 class Telemetry(_message.Message):
     """swarmpipe/<run>/telemetry/<node_id>, not retained."""
 
@@ -244,6 +330,8 @@ class Telemetry(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
     TIMESTAMP_FIELD_NUMBER: _builtins.int
+    LINK_ESTIMATES_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     samples: _builtins.int
@@ -251,9 +339,15 @@ class Telemetry(_message.Message):
     samples_per_second: _builtins.float
     in_flight: _builtins.int
     timestamp: _builtins.float
+    compute_seconds_per_microbatch: _builtins.float
+    """forward plus backward, smoothed; 0: not yet"""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCounter]:
         """bytes this node has sent, per peer"""
+
+    @_builtins.property
+    def link_estimates(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkEstimate]:
+        """bandwidth and codec per link direction"""
 
     def __init__(
         self,
@@ -265,10 +359,12 @@ class Telemetry(_message.Message):
         in_flight: _builtins.int = ...,
         links: _abc.Iterable[Global___LinkCounter] | None = ...,
         timestamp: _builtins.float = ...,
+        link_estimates: _abc.Iterable[Global___LinkEstimate] | None = ...,
+        compute_seconds_per_microbatch: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

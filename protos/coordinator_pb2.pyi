@@ -456,6 +456,88 @@ class LinkRecord(_message.Message):
 Global___LinkRecord: _TypeAlias = LinkRecord  # noqa: Y015
 
 @_typing.final
+class CodecChangeRecord(_message.Message):
+    """From `timestamp` on, a link direction sent with `codec` (control.proto CodecChange)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMESTAMP_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    CODEC_FIELD_NUMBER: _builtins.int
+    BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    BUDGET_SECONDS_FIELD_NUMBER: _builtins.int
+    timestamp: _builtins.float
+    """unix seconds on the sender's clock"""
+    step: _builtins.int
+    codec: _builtins.str
+    bytes_per_second: _builtins.float
+    budget_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        timestamp: _builtins.float = ...,
+        step: _builtins.int = ...,
+        codec: _builtins.str = ...,
+        bytes_per_second: _builtins.float = ...,
+        budget_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_seconds", b"budget_seconds", "bytes_per_second", b"bytes_per_second", "codec", b"codec", "step", b"step", "timestamp", b"timestamp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CodecChangeRecord: _TypeAlias = CodecChangeRecord  # noqa: Y015
+
+@_typing.final
+class LinkChoiceRecord(_message.Message):
+    """One direction of one link as its sender measured it, with the codecs it used when."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_NODE_FIELD_NUMBER: _builtins.int
+    DST_NODE_FIELD_NUMBER: _builtins.int
+    DIRECTION_FIELD_NUMBER: _builtins.int
+    BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    LIMIT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    WIRE_BYTES_FIELD_NUMBER: _builtins.int
+    CODEC_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    src_node: _builtins.str
+    dst_node: _builtins.str
+    direction: _builtins.str
+    """"activation", "gradient" or "reduce" """
+    bytes_per_second: _builtins.float
+    """measured; 0: not yet"""
+    limit_bytes_per_second: _builtins.float
+    """the sender's limit; 0: none"""
+    wire_bytes: _builtins.int
+    """message framing included"""
+    codec: _builtins.str
+    """the codec in use now"""
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___CodecChangeRecord]: ...
+    def __init__(
+        self,
+        *,
+        src_node: _builtins.str = ...,
+        dst_node: _builtins.str = ...,
+        direction: _builtins.str = ...,
+        bytes_per_second: _builtins.float = ...,
+        limit_bytes_per_second: _builtins.float = ...,
+        wire_bytes: _builtins.int = ...,
+        codec: _builtins.str = ...,
+        changes: _abc.Iterable[Global___CodecChangeRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "changes", b"changes", "codec", b"codec", "direction", b"direction", "dst_node", b"dst_node", "limit_bytes_per_second", b"limit_bytes_per_second", "src_node", b"src_node", "wire_bytes", b"wire_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkChoiceRecord: _TypeAlias = LinkChoiceRecord  # noqa: Y015
+
+@_typing.final
 class NodeRecord(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -467,6 +549,7 @@ class NodeRecord(_message.Message):
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     LAST_STEP_FIELD_NUMBER: _builtins.int
     PARAM_DIGEST_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     address: _builtins.str
@@ -477,6 +560,8 @@ class NodeRecord(_message.Message):
     """the last step this node applied"""
     param_digest: _builtins.str
     """its parameters' hash after that step"""
+    compute_seconds_per_microbatch: _builtins.float
+    """forward plus backward; 0: not measured yet"""
     def __init__(
         self,
         *,
@@ -488,10 +573,11 @@ class NodeRecord(_message.Message):
         samples_per_second: _builtins.float = ...,
         last_step: _builtins.int = ...,
         param_digest: _builtins.str = ...,
+        compute_seconds_per_microbatch: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -510,6 +596,7 @@ class StatusReply(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    LINK_CHOICES_FIELD_NUMBER: _builtins.int
     EVALS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     step: _builtins.int
@@ -525,6 +612,8 @@ class StatusReply(_message.Message):
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkRecord]: ...
     @_builtins.property
+    def link_choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkChoiceRecord]: ...
+    @_builtins.property
     def evals(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalRecord]: ...
     def __init__(
         self,
@@ -538,11 +627,12 @@ class StatusReply(_message.Message):
         nodes: _abc.Iterable[Global___NodeRecord] | None = ...,
         links: _abc.Iterable[Global___LinkRecord] | None = ...,
         done: _builtins.bool = ...,
+        link_choices: _abc.Iterable[Global___LinkChoiceRecord] | None = ...,
         evals: _abc.Iterable[Global___EvalRecord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "done", b"done", "evals", b"evals", "links", b"links", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "done", b"done", "evals", b"evals", "link_choices", b"link_choices", "links", b"links", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

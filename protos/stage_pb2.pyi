@@ -47,9 +47,11 @@ class MicrobatchHeader(_message.Message):
     """int32 little-endian, shape [sample_count, context]"""
     context: _builtins.int
     gradient_codec: _tensor_pb2.Codec.ValueType
-    """how the receiver must encode the gradient it returns"""
+    """codec the receiver must return the gradient in; CODEC_UNSPECIFIED:"""
     hop: _builtins.int
-    """the stage this message is for (1 for the first hop)"""
+    """the receiver picks (its configured codec, or per link in auto mode)
+    the stage this message is for (1 for the first hop)
+    """
     sender_node: _builtins.str
     """the node that sent this hop"""
     eval: _builtins.bool

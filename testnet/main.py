@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fail when no step finishes for this many seconds",
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress lines")
+    parser.add_argument(
+        "--link-mbit",
+        type=float,
+        help="limit every link to this many Mbit/s in each direction (pipeline.link_mbit)",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -59,6 +64,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         extra.append(f"pipeline.stages={args.stages}")
     if args.steps is not None:
         extra.append(f"train.steps={args.steps}")
+    if args.link_mbit is not None:
+        extra.append(f"pipeline.link_mbit={args.link_mbit}")
     return extra
 
 
@@ -223,6 +230,36 @@ def progress_line(status: coordinator_pb2.StatusReply, bytes_per_second: float) 
     )
 
 
+def link_choices(status: coordinator_pb2.StatusReply, started: float) -> list[dict[str, Any]]:
+    """Per link and direction: measured bandwidth, and which codec it used from when on.
+
+    `timeline` entries give `seconds` since the testnet started (senders' clocks are this
+    machine's) and the sender's `step` when the codec took over.
+    """
+    return [
+        {
+            "src": c.src_node,
+            "dst": c.dst_node,
+            "direction": c.direction,
+            "measured_mbit": c.bytes_per_second * 8 / 1e6,
+            "limit_mbit": c.limit_bytes_per_second * 8 / 1e6,
+            "wire_bytes": c.wire_bytes,
+            "codec": c.codec,
+            "timeline": [
+                {
+                    "seconds": change.timestamp - started,
+                    "step": change.step,
+                    "codec": change.codec,
+                    "measured_mbit": change.bytes_per_second * 8 / 1e6,
+                    "budget_ms": change.budget_seconds * 1e3,
+                }
+                for change in c.changes
+            ],
+        }
+        for c in status.link_choices
+    ]
+
+
 def build_report(
     config: RunConfig,
     status: coordinator_pb2.StatusReply,
@@ -273,6 +310,10 @@ def build_report(
             }
             for link in status.links
         ],
+        "link_choices": link_choices(status, started),
+        "compute_ms_per_microbatch": {
+            n.node_id: n.compute_seconds_per_microbatch * 1e3 for n in status.nodes
+        },
         "counters": {
             "leased": c.leased,
             "committed": c.committed,

@@ -32,6 +32,7 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         (["train.steps=abc"], "train.steps must be int"),
         (["model.n_heads=3"], "must divide"),
         (["pipeline.activation_codec=zip"], "is not one of"),
+        (["pipeline.link_mbit=-1"], "pipeline.link_mbit=-1.0 must be >= 0"),
         (["train.microbatch=64", "train.global_batch=8"], "exceeds"),
         (["pipeline.stages=99"], "exceeds the model"),
         (["steps"], "must look like section.key=value"),
@@ -56,6 +57,16 @@ def test_codec_names_round_trip() -> None:
     for name in ("lossless", "fp16", "bf16", "int8"):
         assert codec_name(codec_enum(name)) == name
     assert codec_name(999) == "unknown"
+
+
+def test_auto_codecs_and_a_link_limit_load() -> None:
+    config = load_config(
+        None,
+        ["pipeline.activation_codec=auto", "pipeline.gradient_codec=auto", "pipeline.link_mbit=10"],
+    )
+    assert config.pipeline.activation_codec == "auto" and config.pipeline.link_mbit == 10.0
+    assert codec_enum("auto") == 0  # CODEC_UNSPECIFIED: each sender chooses per link
+    assert load_config().pipeline.link_mbit == 0.0  # unlimited unless asked
 
 
 def test_the_deploy_example_config_loads() -> None:

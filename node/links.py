@@ -1,0 +1,214 @@
+"""This node's links to its peers: the send limit, the measured bandwidth, the codec per link.
+
+Every tensor the node sends on the data plane (activations downstream, gradients upstream,
+gradient sums to the other replicas) crosses its link inside a `Transfer`, which paces each
+message through the peer's token bucket when a limit is set and times the transfer for the
+peer's bandwidth meter. Before encoding a tensor the sender asks `codec_for`: a fixed codec
+is used as it is; in auto mode the link direction's `CodecChooser` picks from the link's
+measured bandwidth and this stage's measured compute time per microbatch. Each change of
+codec is kept (bounded) with when it happened, for telemetry and the testnet's report.
+
+Everything here runs on the node's event loop, so nothing needs a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from swarmpipe.compression import DEFAULT_BLOCK_SIZE
+from swarmpipe.compression.link_choice import CodecChooser, candidates, wire_bytes
+from swarmpipe.config import codec_name
+from swarmpipe.node.link_limit import TokenBucket
+from swarmpipe.node.link_meter import BandwidthMeter, RecentMedian
+from swarmpipe.protos import control_pb2
+
+logger = logging.getLogger(__name__)
+
+MAX_CHANGES = 64
+"""Codec changes kept per link direction (the oldest go first), so telemetry stays small
+even if a link flaps all day."""
+
+
+@dataclass(slots=True)
+class _Direction:
+    """What this node sends one way to one peer: the codec now, its history, its bytes."""
+
+    codec: int = 0
+    chooser: CodecChooser | None = None
+    wire_bytes: int = 0
+    changes: deque[control_pb2.CodecChange] = field(
+        default_factory=lambda: deque(maxlen=MAX_CHANGES)
+    )
+
+
+@dataclass(slots=True)
+class _Link:
+    """The link to one peer: the limit and the meter are shared by every direction on it."""
+
+    bucket: TokenBucket | None
+    meter: BandwidthMeter
+    directions: dict[str, _Direction] = field(default_factory=dict)
+
+
+class Transfer:
+    """One tensor's trip over one link: paces its messages and times them for the meter."""
+
+    def __init__(self, link: _Link, direction: _Direction) -> None:
+        self._link = link
+        self._direction = direction
+        self.bytes = 0
+        self._handed = 0  # bytes of the message the caller is sending now
+
+    async def __aenter__(self) -> Transfer:
+        self._link.meter.begin()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Bytes of a failed transfer did cross the link, so they count all the same.
+        self._flush()
+        self._link.meter.end()
+
+    def _flush(self) -> None:
+        if self._handed:
+            self._link.meter.add(self._handed)
+            self._direction.wire_bytes += self._handed
+            self.bytes += self._handed
+            self._handed = 0
+
+    async def pace(self, nbytes: int) -> None:
+        """Wait until `nbytes` more may go to the peer; the caller then sends them.
+
+        A call also says that the previous message has been handed over, so the meter
+        counts its bytes now.
+        """
+        self._flush()
+        if self._link.bucket is not None:
+            await self._link.bucket.acquire(nbytes)
+        self._handed = nbytes
+
+    async def write(self, write: Callable[[Any], Awaitable[None]], message: Any) -> None:
+        """Pace one protobuf message (its serialized size), then hand it to `write`."""
+        await self.pace(message.ByteSize())
+        await write(message)
+
+
+class Links:
+    """Per-peer send limit, bandwidth meter and codec choice for one node."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._links: dict[str, _Link] = {}
+        self.limit_bytes_per_second = 0.0
+        self.block_size = DEFAULT_BLOCK_SIZE
+        self.compute = RecentMedian()
+        """Seconds of forward plus backward per microbatch on this node (median of the last
+        few): the time budget a tensor's transfer must fit in for the link not to slow the
+        pipeline."""
+
+    def configure(self, *, limit_bytes_per_second: float, block_size: int) -> None:
+        """Set the send limit (0: none) and the blockwise codecs' block size, before any send."""
+        self.limit_bytes_per_second = limit_bytes_per_second
+        self.block_size = block_size
+
+    def _link(self, peer: str) -> _Link:
+        link = self._links.get(peer)
+        if link is None:
+            rate = self.limit_bytes_per_second
+            bucket = TokenBucket(rate, clock=self._clock) if rate > 0 else None
+            link = _Link(bucket=bucket, meter=BandwidthMeter(clock=self._clock))
+            self._links[peer] = link
+        return link
+
+    def _direction(self, peer: str, direction: str) -> _Direction:
+        return self._link(peer).directions.setdefault(direction, _Direction())
+
+    def transfer(self, peer: str, direction: str) -> Transfer:
+        """An async context for sending one tensor (all its messages) to `peer`."""
+        return Transfer(self._link(peer), self._direction(peer, direction))
+
+    def bytes_per_second(self, peer: str) -> float | None:
+        """Measured bandwidth to `peer`; None until enough bytes have gone there."""
+        link = self._links.get(peer)
+        return link.meter.bytes_per_second if link else None
+
+    def record_compute(self, seconds: float) -> None:
+        """Add one microbatch's forward plus backward seconds on this node."""
+        self.compute.add(seconds)
+
+    def codec_for(
+        self, peer: str, direction: str, tensor: torch.Tensor, *, step: int, requested: int
+    ) -> int:
+        """The codec to send `tensor` to `peer` with: `requested`, or in auto mode (0) the
+        link direction's choice from its measured bandwidth and this node's compute time."""
+        state = self._direction(peer, direction)
+        bandwidth = self.bytes_per_second(peer)
+        budget = self.compute.value
+        if requested:
+            codec = requested
+        else:
+            if state.chooser is None:
+                state.chooser = CodecChooser(candidates(tensor.dtype))
+            chooser = state.chooser
+            sizes = wire_bytes(chooser.codec_ids, tensor.shape, tensor.dtype, self.block_size)
+            codec = chooser.update(sizes, bytes_per_second=bandwidth, budget_seconds=budget)
+        if codec != state.codec:
+            if state.codec:
+                logger.info(
+                    "%s to %s: %s -> %s at step %d (link %.2f Mbit/s, compute %.1f ms per "
+                    "microbatch)",
+                    direction,
+                    peer,
+                    codec_name(state.codec),
+                    codec_name(codec),
+                    step,
+                    (bandwidth or 0.0) * 8 / 1e6,
+                    (budget or 0.0) * 1e3,
+                )
+            state.codec = codec
+            state.changes.append(
+                control_pb2.CodecChange(
+                    timestamp=self._wall_clock(),
+                    step=step,
+                    codec=codec,  # type: ignore[arg-type]
+                    bytes_per_second=bandwidth or 0.0,
+                    budget_seconds=budget or 0.0,
+                )
+            )
+        return codec
+
+    def snapshot(self) -> list[control_pb2.LinkEstimate]:
+        """Every link direction used so far, for telemetry."""
+        estimates = []
+        for peer, link in sorted(self._links.items()):
+            for direction, state in sorted(link.directions.items()):
+                estimates.append(
+                    control_pb2.LinkEstimate(
+                        peer=peer,
+                        direction=direction,
+                        bytes_per_second=link.meter.bytes_per_second or 0.0,
+                        limit_bytes_per_second=self.limit_bytes_per_second,
+                        wire_bytes=state.wire_bytes,
+                        codec=state.codec,  # type: ignore[arg-type]
+                        changes=list(state.changes),
+                    )
+                )
+        return estimates

@@ -1,0 +1,114 @@
+"""Slow links in a real testnet: the send limit holds and auto mode compresses where it must."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.ready import poll_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+AUTO = ["pipeline.activation_codec=auto", "pipeline.gradient_codec=auto"]
+
+
+def run_testnet(out: Path, settings: list[str], *flags: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--out", str(out), *flags]
+    for s in settings:
+        cmd += ["--set", s]
+    popen = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        output, _ = popen.communicate(timeout=500)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    assert popen.returncode == 0, output.decode(errors="replace")
+    report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    return report
+
+
+def test_auto_compresses_on_limited_links_and_reports_when(tmp_path: Path, tiny: list[str]) -> None:
+    # At 1 Mbit/s a lossless activation of the tiny model (16 KiB) takes 130 ms, far more
+    # than a stage computes per microbatch, so every hop must end up compressing.
+    limit_mbit = 1.0
+    report = run_testnet(
+        tmp_path, [*tiny, *AUTO], "--steps", "6", "--nodes", "3", "--link-mbit", str(limit_mbit)
+    )
+    assert len(report["steps"]) == 6 and report["counters"]["lost"] == 0
+    assert report["config"]["pipeline"]["link_mbit"] == limit_mbit
+    choices = {(c["src"], c["dst"], c["direction"]): c for c in report["link_choices"]}
+    node = {m["stage"]: m["node_id"] for m in report["members"]}  # placement picks the order
+    assert set(choices) == {
+        (node[0], node[1], "activation"),
+        (node[1], node[2], "activation"),
+        (node[1], node[0], "gradient"),
+        (node[2], node[1], "gradient"),
+    }
+    for key, choice in choices.items():
+        assert choice["limit_mbit"] == pytest.approx(limit_mbit), key
+        # Measured from real transfers: something, and never more than the limit lets out.
+        assert 0 < choice["measured_mbit"] <= limit_mbit * 1.01, key
+        timeline = choice["timeline"]
+        # Lossless until the link was measured, then a compressing codec, recorded with when.
+        assert timeline[0]["codec"] == "lossless" and timeline[0]["step"] == 0, key
+        assert choice["codec"] != "lossless" and timeline[-1]["codec"] == choice["codec"], key
+        seconds = [t["seconds"] for t in timeline]
+        assert seconds == sorted(seconds) and 0 < seconds[0] < report["wall_seconds"], key
+        assert timeline[-1]["measured_mbit"] > 0 and timeline[-1]["budget_ms"] > 0, key
+    # The counters agree: most tensors that crossed the hops went compressed.
+    compressed = sum(link["tensors"] for link in report["links"] if link["codec"] != "lossless")
+    lossless = sum(link["tensors"] for link in report["links"] if link["codec"] == "lossless")
+    assert compressed > 2 * lossless
+
+
+def test_one_node_can_have_its_own_slow_link(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    coordinator = procs.coordinator(*tiny, *AUTO, "train.steps=5")
+    # Joined one after another, the nodes take stages 0, 1, 2; only stage 1 sends slowly.
+    procs.node("n0", coordinator)
+    procs.node("n1", coordinator, "--link-mbit", "1")
+    procs.node("n2", coordinator)
+    channel = grpc.insecure_channel(coordinator)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def finished() -> coordinator_pb2.StatusReply | None:
+        status = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
+        senders = {c.src_node for c in status.link_choices}
+        return status if status.done and senders == {"n0", "n1", "n2"} else None
+
+    try:
+        status = poll_until(finished, 240, "the run to finish and every node to report")
+    finally:
+        channel.close()
+    assert {n.node_id: n.stage for n in status.nodes} == {"n0": 0, "n1": 1, "n2": 2}
+    limits = {(c.src_node, c.dst_node, c.direction): c for c in status.link_choices}
+    assert set(limits) == {
+        ("n0", "n1", "activation"),
+        ("n1", "n2", "activation"),
+        ("n1", "n0", "gradient"),
+        ("n2", "n1", "gradient"),
+    }
+    for (src, _, _), choice in limits.items():
+        assert choice.limit_bytes_per_second == (125_000.0 if src == "n1" else 0.0)
+        if src == "n1":
+            assert choice.codec != "lossless" and choice.changes[0].codec == "lossless"
+
+
+def test_a_negative_node_link_limit_is_a_clear_error() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "swarmpipe", "node", "--coordinator", "127.0.0.1:9",
+         "--link-mbit", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--link-mbit -1.0 must be >= 0" in done.stderr
