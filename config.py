@@ -28,6 +28,7 @@ _CODEC_ENUMS = {
     "int4": "CODEC_BLOCKWISE_INT4",
 }
 CODEC_NAMES = tuple(_CODEC_ENUMS)
+SYNC_MODES = ("every_step", "diloco")
 
 
 def codec_enum(name: str) -> int:
@@ -146,6 +147,24 @@ class PipelineConfig:
     reduce_timeout_s: float = 60.0
     """How long a replica waits for the others' gradients at a step's end before
     dropping the missing ones (a replica whose Last Will fired is dropped at once)."""
+    hop_timeout_min_s: float = 5.0
+    """Floor of a hop's measured deadline (round-trip EWMA plus deviations), so
+    a burst of fast calls cannot make the next slow-but-healthy one look dead."""
+    reduce_codec: str = "lossless"
+    """Codec of the replicas' gradient (or DiLoCo parameter delta) exchange: lossless,
+    fp16, bf16, int8 or int4. Every replica adds the decoded form of its own
+    contribution too, so lossy codecs keep the replicas bit-identical."""
+    sync: str = "every_step"
+    """How replicas of a stage stay equal: "every_step" sums gradients before every
+    optimizer step; "diloco" takes `diloco_inner_steps` local AdamW steps on each
+    replica's own gradients, then averages parameters with an outer Nesterov step."""
+    diloco_inner_steps: int = 10
+    """Local optimizer steps between two parameter averages (sync = "diloco")."""
+    diloco_outer_lr: float = 0.7
+    """Outer learning rate applied to the averaged parameter delta (sync = "diloco")."""
+    diloco_outer_momentum: float = 0.9
+    """Nesterov momentum of the outer step (sync = "diloco"); 0 means plain averaging
+    when diloco_outer_lr is 1."""
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -160,6 +179,24 @@ class PipelineConfig:
             raise ConfigError("pipeline.int8_block_size must be >= 1")
         if self.hop_timeout_s <= 0 or self.reduce_timeout_s <= 0:
             raise ConfigError("pipeline.hop_timeout_s and reduce_timeout_s must be positive")
+        if not 0 < self.hop_timeout_min_s <= self.hop_timeout_s:
+            raise ConfigError(
+                f"pipeline.hop_timeout_min_s={self.hop_timeout_min_s} must be positive and at "
+                f"most pipeline.hop_timeout_s={self.hop_timeout_s}"
+            )
+        if self.reduce_codec not in CODEC_NAMES:
+            raise ConfigError(
+                f"pipeline.reduce_codec={self.reduce_codec!r} is not one of "
+                f"{', '.join(CODEC_NAMES)}"
+            )
+        if self.sync not in SYNC_MODES:
+            raise ConfigError(f"pipeline.sync={self.sync!r} is not one of {', '.join(SYNC_MODES)}")
+        if self.diloco_inner_steps < 1:
+            raise ConfigError("pipeline.diloco_inner_steps must be >= 1")
+        if self.diloco_outer_lr <= 0:
+            raise ConfigError("pipeline.diloco_outer_lr must be positive (try 0.7)")
+        if not 0 <= self.diloco_outer_momentum < 1:
+            raise ConfigError("pipeline.diloco_outer_momentum must be in [0, 1) (try 0.9)")
         if self.in_flight < 1:
             raise ConfigError("pipeline.in_flight must be >= 1")
 

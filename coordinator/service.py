@@ -30,6 +30,9 @@ _PHASES = {
 }
 MAX_LEASE_WAIT_S = 30.0
 MAX_NODE_ID_LEN = 128
+# At most one plan per this many seconds for routing-weight changes alone
+# (membership changes publish at once): every plan reaches every node.
+PLAN_REFRESH_S = 5.0
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -55,6 +58,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._mqtt: aiomqtt.Client | None = None
         self._mqtt_ready = asyncio.Event()
         self.done = asyncio.Event()
+        self._plan_published_at = 0.0
 
     # -- state changes --------------------------------------------------
 
@@ -68,6 +72,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self._mqtt.publish(topic, payload, qos=1, retain=True)
 
     async def _publish_plan(self) -> None:
+        self._plan_published_at = time.monotonic()
         plan = self.membership.plan()
         await self._publish(self.topics.plan, plan.SerializeToString())
 
@@ -322,6 +327,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 await self._on_presence(node_id, presence)
             elif what == "telemetry" and member is not None:
                 member.telemetry = control_pb2.Telemetry.FromString(bytes(payload))
+                now = time.monotonic()
+                if (
+                    now - self._plan_published_at > PLAN_REFRESH_S
+                    and self.membership.weights_drifted()
+                ):
+                    await self._publish_plan()
         except Exception as exc:  # a hostile or broken payload must not stop the watch
             logger.warning("ignoring malformed %s message from %s: %s", what, node_id, exc)
 

@@ -184,6 +184,7 @@ class NodeDaemon:
                 host = _route_host(coord_host)
             reply = await self._join(f"{host}:{port}")
             self.config = RunConfig.from_json(reply.run_config_json)
+            self.router.configure(self.config.pipeline)
             self.stage = reply.stage
             set_log_identity(f"node {self.node_id} stage {self.stage}")
             self.activation_codec = codec_enum(self.config.pipeline.activation_codec)
@@ -359,17 +360,20 @@ class NodeDaemon:
         if step in self._applying:
             return  # MQTT delivers at least once: this APPLY is already being handled
         self._applying.add(step)
-        reduced, replicas = await self.replica_sync.reduce(step)
-        samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
+        replicas = 1
+        if runtime.outer is None:
+            reduced, replicas = await self.replica_sync.reduce(step)
+            samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
+            how = f"{replicas} replica{'' if replicas == 1 else 's'}"
+        else:
+            # DiLoCo: a local inner step, and every few steps the outer average.
+            samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, None))
+            how = "local"
+            if runtime.outer_round_ends(step):
+                replicas = await self.replica_sync.average_parameters(step)
+                how = f"local, then averaged over {replicas} replica{'' if replicas == 1 else 's'}"
         digest = await self.compute.run(BACKWARD, runtime.parameter_digest)
-        logger.info(
-            "applied step %d (%d samples, %d replica%s, params %s)",
-            step,
-            samples,
-            replicas,
-            "" if replicas == 1 else "s",
-            digest,
-        )
+        logger.info("applied step %d (%d samples, %s, params %s)", step, samples, how, digest)
         await self.call_coordinator(
             "StepDone",
             coordinator_pb2.StepDoneRequest(
@@ -417,6 +421,11 @@ class NodeDaemon:
             in_flight=self.in_flight,
             links=self.stats.snapshot(),
             timestamp=time.time(),
+            compute_samples_per_second=(
+                self.samples_processed / self.compute.busy_seconds
+                if self.compute.busy_seconds > 0
+                else 0.0
+            ),
         )
 
 

@@ -23,6 +23,7 @@ import torch
 from swarmpipe.config import RunConfig
 from swarmpipe.errors import PeerError
 from swarmpipe.model import build_stage, token_loss_sum
+from swarmpipe.node.diloco import OuterOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,14 @@ class StageRuntime:
         self.duplicates_skipped = 0
         self._contributed: set[str] = set()
         self._saved: dict[str, _Saved] = {}
+        p = config.pipeline
+        self.outer: OuterOptimizer | None = None
+        if p.sync == "diloco":
+            self.outer = OuterOptimizer(
+                list(self.module.parameters()),
+                lr=p.diloco_outer_lr,
+                momentum=p.diloco_outer_momentum,
+            )
 
     # -- input checks (called before any compute) ------------------------
 
@@ -192,12 +201,32 @@ class StageRuntime:
                     p.grad.mul_(scale)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.outer is not None:
+            self.outer.round_samples += samples
         self.tokens_accumulated = 0
         self.samples_accumulated = 0
         self._contributed.clear()
         self._saved.clear()
         self.step = step + 1
         return samples
+
+    def outer_round_ends(self, step: int) -> bool:
+        """DiLoCo: whether the replicas average their parameters after applying `step`."""
+        h = self.config.pipeline.diloco_inner_steps
+        return self.outer is not None and (
+            (step + 1) % h == 0 or step + 1 == self.config.train.steps
+        )
+
+    def parameter_delta(self) -> tuple[torch.Tensor, int, int]:
+        """DiLoCo: this replica's scaled delta of the round, as a reduce contribution."""
+        assert self.outer is not None
+        delta, samples = self.outer.local_delta()
+        return delta, 0, samples
+
+    def outer_step(self, reduced: tuple[torch.Tensor, int, int]) -> None:
+        """DiLoCo: apply the replicas' summed scaled deltas (same on every replica)."""
+        assert self.outer is not None
+        self.outer.step(reduced[0], reduced[2])
 
     def parameter_digest(self) -> str:
         """A short hash of the parameters: equal on replicas that stayed in step."""

@@ -244,6 +244,7 @@ class Telemetry(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
     TIMESTAMP_FIELD_NUMBER: _builtins.int
+    COMPUTE_SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     samples: _builtins.int
@@ -251,6 +252,11 @@ class Telemetry(_message.Message):
     samples_per_second: _builtins.float
     in_flight: _builtins.int
     timestamp: _builtins.float
+    compute_samples_per_second: _builtins.float
+    """Samples per second of busy compute (samples processed over the compute
+    thread's busy time): what this node could do, whatever traffic it gets.
+    The coordinator's plan weights replicas by it.
+    """
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCounter]:
         """bytes this node has sent, per peer"""
@@ -265,10 +271,11 @@ class Telemetry(_message.Message):
         in_flight: _builtins.int = ...,
         links: _abc.Iterable[Global___LinkCounter] | None = ...,
         timestamp: _builtins.float = ...,
+        compute_samples_per_second: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_samples_per_second", b"compute_samples_per_second", "in_flight", b"in_flight", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
