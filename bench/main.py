@@ -13,6 +13,7 @@ from typing import Any
 
 BENCHMARKS: dict[str, str] = {
     "pipeline": "testnet samples/s beside single-process training, wire bytes per codec",
+    "churn": "seconds from a replica's SIGKILL until samples/s is back to 90%",
 }
 """Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
 
