@@ -14,11 +14,13 @@ Agreement. A contribution can reach some replicas and not others (a send
 fails one way, a replica is SIGKILLed halfway through its sends). So the
 exchange has a second round: each replica sends a manifest of the
 contributions it holds, and applies only those that its own and every
-manifest it received list. Two replicas that both hear from each other, or
-from the same third one, therefore apply the same set. A replica that leaves
-the plan (its Last Will fired) or that this one cannot reach is not waited
-for; one that stays in the plan but sends nothing is given up on when
-`pipeline.reduce_timeout_s` runs out.
+manifest it received list; so a replica whose sends fail while it still
+receives the others' applies what they apply (their manifests lack its
+contribution). Every replica still in the plan is waited for; one that
+leaves it (its Last Will fired) is not; one that stays in the plan but sends
+nothing is given up on when `pipeline.reduce_timeout_s` runs out, and if our
+own contribution never reached it, we leave ours out too, since it cannot
+have added it.
 
 Known limit: two replicas that cannot reach each other in either direction
 while both stay in the plan can still decide differently (agreement under
@@ -248,7 +250,10 @@ class ReplicaSync:
             sends = [asyncio.create_task(send(p, a, False)) for p, a in ordered]
 
         def live_peers() -> set[str]:
-            return set(self._peers()) & set(peers) - unreachable
+            # Peers we could not reach are waited for too: if they are alive,
+            # their manifest tells what they lack; if dead, their Last Will
+            # takes them out of the plan within a second or two.
+            return set(self._peers()) & set(peers)
 
         deadline = time.monotonic() + config.pipeline.reduce_timeout_s
         await self._wait(
@@ -277,6 +282,11 @@ class ReplicaSync:
         for sender, listed in exchange.manifests.items():
             if sender in peers:
                 agreed &= listed
+        if unreachable & live_peers() - set(exchange.manifests):
+            # A live peer lacks this replica's contribution and its manifest
+            # did not come to say what it holds: withdrawing ours is the one
+            # choice that peer is sure to share.
+            agreed.discard(d.node_id)
         dropped = sorted((set(peers) | {d.node_id}) - agreed)
         if dropped:
             logger.warning("step %d: contributions of %s dropped from the reduce", step, dropped)
