@@ -30,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in the run")
     parser.add_argument("--kill-at-step", type=int, default=12, help="kill after this many steps")
     parser.add_argument(
-        "--victim", default="", help="node to kill (default: the second replica of stage 1)"
+        "--victim",
+        default="",
+        help="node to kill (default: n{stages+1}, a second replica of some stage; the JSON "
+        "says which)",
     )
     parser.add_argument(
         "--restart-after-steps",
@@ -85,7 +88,9 @@ def recovery(
 
 
 def serve(args: argparse.Namespace) -> int:
-    victim = args.victim or f"n{args.stages + 1}"  # placement: n0..n{S-1}, then n{S} on stage 0
+    # Nodes start together, so which stage each gets varies; n{S+1} is never
+    # the only replica of its stage when there are 2 per stage.
+    victim = args.victim or f"n{args.stages + 1}"
     schedule = f"kill {victim}@step{args.kill_at_step}"
     if args.restart_after_steps:
         schedule += f", start fresh-{victim}@step{args.kill_at_step + args.restart_after_steps}"
@@ -123,16 +128,20 @@ def serve(args: argparse.Namespace) -> int:
     kill = kills[0]
     steps = report["steps"]
     figures = recovery(steps, kill["at_seconds"], args.window, args.threshold)
-    times = [s["seen_at_seconds"] for s in steps]
-    series = [
-        {
-            "step": s["step"],
-            "seen_at_seconds": t,
-            "seconds_from_kill": t - kill["at_seconds"],
-            "samples_per_second": s["samples"] / max(t - prev, 1e-9),
-        }
-        for s, t, prev in zip(steps[1:], times[1:], times[:-1], strict=True)
-    ]
+    times = [float(s["seen_at_seconds"]) for s in steps]
+    series = []
+    for end in range(args.window, len(steps)):
+        # Over a window of steps: single steps are shorter than the testnet's poll.
+        first = end - args.window + 1
+        samples = sum(steps[i]["samples"] for i in range(first, end + 1))
+        series.append(
+            {
+                "step": steps[end]["step"],
+                "seen_at_seconds": times[end],
+                "seconds_from_kill": times[end] - kill["at_seconds"],
+                "samples_per_second": samples / max(times[end] - times[first - 1], 1e-9),
+            }
+        )
     result = {
         "nodes": args.nodes,
         "stages": args.stages,
