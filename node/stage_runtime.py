@@ -23,6 +23,7 @@ import torch
 from swarmpipe.config import RunConfig
 from swarmpipe.errors import PeerError
 from swarmpipe.model import build_stage, token_loss_sum
+from swarmpipe.node.stage_state import ReceivedState, StateSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -205,3 +206,28 @@ class StageRuntime:
         for p in self.module.parameters():
             h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
+
+    # -- state transfer and checkpoints (compute thread) -----------------
+
+    def export_state(self, *, node_id: str) -> StateSnapshot:
+        """Clone the stage's parameters, AdamW state and step number at this step boundary."""
+        return take_snapshot(
+            self.module,
+            self.optimizer,
+            step=self.step,
+            run_id=self.config.run_id,
+            stage=self.stage,
+            num_stages=self.num_stages,
+            node_id=node_id,
+        )
+
+    def import_state(self, state: ReceivedState, *, step: int | None = None) -> None:
+        """Replace the stage's state with a checked one; `step` overrides its step number
+        (a checkpoint from an earlier step resumes at the swarm's current step)."""
+        state.load_into(self.module, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokens_accumulated = 0
+        self.samples_accumulated = 0
+        self._contributed.clear()
+        self._saved.clear()
+        self.step = state.step if step is None else step
