@@ -208,14 +208,39 @@ class CoordinatorConfig:
     lease_timeout_s: float = 300.0
     """A lease not committed within this long is leased again (counted as replayed)."""
     min_nodes: int = 0
-    """Nodes that must be online before step 0 opens (0: one per stage). Until
-    state transfer exists, a node cannot join a stage that already trains."""
+    """Nodes that must be online before step 0 opens (0: one per stage). Nodes
+    that come later download their stage's state from a live replica first."""
+    join_hold_s: float = 30.0
+    """How long the swarm may wait at a step boundary for a joining node whose
+    download the previous step outran, so a slow link cannot keep it out forever."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 0:
             raise ConfigError("coordinator.min_nodes must be >= 0")
+        if self.join_hold_s < 0:
+            raise ConfigError("coordinator.join_hold_s must be >= 0 (0: never wait for joiners)")
         if self.lease_timeout_s <= 0:
             raise ConfigError("coordinator.lease_timeout_s must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """Periodic checkpoints of every stage, so a stage whose last replica is gone can resume."""
+
+    every_steps: int = 10
+    """One replica of each stage saves the stage's state after every this many steps
+    (0: never; then a stage that loses every replica restarts from fresh parameters)."""
+    keep: int = 2
+    """Checkpoints kept per stage; older ones are deleted once a newer one is complete."""
+    dir: str = ""
+    """Empty: nodes upload to the coordinator, which keeps them under its --state-dir.
+    A path: a shared folder (NFS, a mounted bucket) every node reads and writes directly."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("checkpoint.every_steps must be >= 0 (0 turns checkpoints off)")
+        if self.keep < 1:
+            raise ConfigError("checkpoint.keep must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,6 +254,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         if not self.run_id or any(c in self.run_id for c in "/#+ "):

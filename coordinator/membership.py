@@ -26,6 +26,11 @@ class Member:
     telemetry: control_pb2.Telemetry | None = None
     last_step: int = -1
     param_digest: str = ""
+    serving: bool = False
+    """In the plan: it holds its stage's state for the current step. A node that
+    joins a running run is online but not serving while it downloads that state."""
+    ready_step: int = -1
+    """A syncing node holding the state of the step about to open; it serves from then."""
 
 
 @dataclass(slots=True)
@@ -64,7 +69,21 @@ class Membership:
         return member
 
     def live(self) -> list[Member]:
-        return [m for m in self.members.values() if m.online and not m.drained]
+        """Serving nodes: online, not drained, and holding their stage's current state."""
+        return [m for m in self.members.values() if m.online and m.serving and not m.drained]
+
+    def replicas(self, stage: int) -> list[Member]:
+        """The live replicas of one stage, by node id."""
+        return sorted((m for m in self.live() if m.stage == stage), key=lambda m: m.node_id)
+
+    def promote(self, step: int) -> list[Member]:
+        """Step `step` opens: nodes that hold its state (ready_step) start serving."""
+        promoted = []
+        for m in self.members.values():
+            if m.ready_step == step and m.online and not m.drained and not m.serving:
+                m.serving, m.ready_step = True, -1
+                promoted.append(m)
+        return promoted
 
     def covered(self) -> bool:
         """Every stage has at least one live replica."""

@@ -96,10 +96,9 @@ class ReplicaSync:
     def _check_step(self, step: int, delta: bool) -> None:
         runtime = self.daemon.runtime
         assert runtime is not None
-        # A gradient reduce happens before any replica applies `step`; a DiLoCo
-        # average after each applies it locally, so this node may be past it.
-        allowed = (runtime.step - 1, runtime.step) if delta else (runtime.step,)
-        if step not in allowed:
+        # Both exchanges happen before the step number moves past `step` (a
+        # DiLoCo round's last inner step leaves it for the outer step to move).
+        if step != runtime.step:
             raise PeerError(f"reduce for step {step}; this node is at step {runtime.step}")
         if delta != (runtime.outer is not None):
             raise PeerError("the peer's sync mode (every_step or diloco) differs from this node's")
@@ -325,5 +324,5 @@ class ReplicaSync:
         own = await d.compute.run(BACKWARD, runtime.parameter_delta)
         agreed = await self.exchange(step, own, delta=True)
         reduced = await self._sum(agreed)
-        await d.compute.run(BACKWARD, lambda: runtime.outer_step(reduced))
+        await d.compute.run(BACKWARD, lambda: runtime.outer_step(step, reduced))
         return len(agreed)

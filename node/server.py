@@ -27,7 +27,7 @@ from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
-from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
+from swarmpipe.protos import stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
 
 if TYPE_CHECKING:
     from swarmpipe.node.daemon import NodeDaemon
@@ -100,12 +100,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         request_iterator: AsyncIterator[stage_pb2.ReduceMessage],
         context: grpc.aio.ServicerContext,
     ) -> stage_pb2.ReduceReply:
+        if not self.daemon.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         try:
             return await self.daemon.replica_sync.receive(request_iterator)
         except (PeerError, CodecError) as exc:
             logger.warning("refused a gradient for the reduce: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
+
+    async def FetchState(
+        self, request: stage_pb2.FetchStateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[state_pb2.StateMessage]:
+        async for message in self.daemon.state_transfer.serve(request, context):
+            yield message
 
     async def Forward(
         self,
@@ -116,6 +124,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         runtime = d.runtime
         if runtime is None or d.config is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still starting")
+        if not d.serving:
+            # Its parameters are not the stage's yet (it is downloading them).
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         assert runtime is not None and d.config is not None
         try:
             header, activation = await read_forward_request(request_iterator, d.stats)

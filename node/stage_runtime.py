@@ -24,6 +24,7 @@ from swarmpipe.config import RunConfig
 from swarmpipe.errors import PeerError
 from swarmpipe.model import build_stage, token_loss_sum
 from swarmpipe.node.diloco import OuterOptimizer
+from swarmpipe.node.stage_state import ReceivedState, StateSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,13 @@ class StageRuntime:
     def n_parameters(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 
-    def apply_step(self, step: int, reduced: tuple[torch.Tensor, int, int] | None = None) -> int:
+    def apply_step(
+        self,
+        step: int,
+        reduced: tuple[torch.Tensor, int, int] | None = None,
+        *,
+        advance: bool = True,
+    ) -> int:
         """Average the gradients, step AdamW, and move to step+1.
 
         `reduced` is the (flat gradient sum, tokens, samples) over every replica
@@ -182,6 +189,8 @@ class StageRuntime:
         bit-identical steps; None means this replica is the stage's only one.
         Returns the samples that contributed. Idempotent per step, so a repeated
         APPLY announcement (MQTT delivers at least once) steps only once.
+        `advance=False` (a DiLoCo round's last step) leaves the step number for
+        `outer_step` to move, so the state is never seen between the two.
         """
         if step != self.step:
             return self.samples_accumulated
@@ -207,7 +216,8 @@ class StageRuntime:
         self.samples_accumulated = 0
         self._contributed.clear()
         self._saved.clear()
-        self.step = step + 1
+        if advance:
+            self.step = step + 1
         return samples
 
     def outer_round_ends(self, step: int) -> bool:
@@ -223,10 +233,14 @@ class StageRuntime:
         delta, samples = self.outer.local_delta()
         return delta, 0, samples
 
-    def outer_step(self, reduced: tuple[torch.Tensor, int, int]) -> None:
-        """DiLoCo: apply the replicas' summed scaled deltas (same on every replica)."""
+    def outer_step(self, step: int, reduced: tuple[torch.Tensor, int, int]) -> None:
+        """DiLoCo: apply the replicas' summed scaled deltas (same on every replica).
+
+        Ends `step` (its inner step was applied with advance=False).
+        """
         assert self.outer is not None
         self.outer.step(reduced[0], reduced[2])
+        self.step = step + 1
 
     def parameter_digest(self) -> str:
         """A short hash of the parameters: equal on replicas that stayed in step."""
@@ -234,3 +248,28 @@ class StageRuntime:
         for p in self.module.parameters():
             h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
+
+    # -- state transfer and checkpoints (compute thread) -----------------
+
+    def export_state(self, *, node_id: str) -> StateSnapshot:
+        """Clone the stage's parameters, AdamW state and step number at this step boundary."""
+        return take_snapshot(
+            self.module,
+            self.optimizer,
+            step=self.step,
+            run_id=self.config.run_id,
+            stage=self.stage,
+            num_stages=self.num_stages,
+            node_id=node_id,
+        )
+
+    def import_state(self, state: ReceivedState, *, step: int | None = None) -> None:
+        """Replace the stage's state with a checked one; `step` overrides its step number
+        (a checkpoint from an earlier step resumes at the swarm's current step)."""
+        state.load_into(self.module, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokens_accumulated = 0
+        self.samples_accumulated = 0
+        self._contributed.clear()
+        self._saved.clear()
+        self.step = state.step if step is None else step

@@ -344,3 +344,33 @@ class StageInfoReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StageInfoReply: _TypeAlias = StageInfoReply  # noqa: Y015
+
+@_typing.final
+class FetchStateRequest(_message.Message):
+    """A joining node asks a live replica of its stage for the stage's state at a
+    step boundary; the replica answers from a snapshot taken between two
+    compute jobs once it has reached min_step (waiting a bounded time for it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    MIN_STEP_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    stage: _builtins.int
+    min_step: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        stage: _builtins.int = ...,
+        min_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_step", b"min_step", "node_id", b"node_id", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchStateRequest: _TypeAlias = FetchStateRequest  # noqa: Y015

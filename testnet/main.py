@@ -165,6 +165,7 @@ class Testnet:
     def _start_children(self) -> str:
         common = ["--log-level", "INFO"]
         coord_args = [*common, "coordinator", "--listen", "127.0.0.1:0"]
+        coord_args += ["--state-dir", str(self.out / "coordinator-state")]
         if self.args.config:
             coord_args += ["--config", str(Path(self.args.config).resolve())]
         for item in [f"coordinator.min_nodes={self.args.nodes}", *self.overrides]:
@@ -387,6 +388,7 @@ def build_report(
                 "last_step": n.last_step,
                 "param_digest": n.param_digest,
                 "samples": n.samples,
+                "serving": n.serving,
             }
             for n in status.nodes
         ],

@@ -64,6 +64,7 @@ class Procs:
 
     def coordinator(self, *settings: str, broker: str | None = None) -> str:
         args = ["coordinator", "--listen", "127.0.0.1:0"]
+        args += ["--state-dir", str(self.tmp / "coordinator-state")]
         for s in settings:
             args += ["--set", s]
         if broker:

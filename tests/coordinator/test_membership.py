@@ -9,7 +9,8 @@ from swarmpipe.protos import control_pb2
 def _membership() -> Membership:
     m = Membership(num_stages=2, activation_codec=1, gradient_codec=1)
     for node in ("a", "b", "c", "d"):
-        m.assign(node, f"127.0.0.1:{ord(node)}").online = True
+        member = m.assign(node, f"127.0.0.1:{ord(node)}")
+        member.online = member.serving = True
     return m
 
 

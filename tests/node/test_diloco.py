@@ -41,8 +41,8 @@ def test_replicas_that_diverged_end_the_round_identical() -> None:
         0,
         contributions[0][2] + contributions[1][2],
     )
-    a.outer_step(total)
-    b.outer_step(total)
+    a.outer_step(a.step - 1, total)
+    b.outer_step(b.step - 1, total)
     assert a.parameter_digest() == b.parameter_digest()
     assert a.outer.round_samples == 0
 

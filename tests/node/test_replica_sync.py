@@ -33,6 +33,7 @@ class Replica:
         self.daemon.config = self.config
         self.daemon.stage = 0
         self.daemon.runtime = StageRuntime(self.config, 0)
+        self.daemon.serving = True
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
