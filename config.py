@@ -28,6 +28,7 @@ _CODEC_ENUMS = {
     "int4": "CODEC_BLOCKWISE_INT4",
 }
 CODEC_NAMES = tuple(_CODEC_ENUMS)
+SYNC_MODES = ("every_step", "diloco")
 
 AUTO_CODEC = "auto"
 """The codec setting that lets each sender pick a codec per link from what it measures."""
@@ -171,6 +172,24 @@ class PipelineConfig:
     reduce_timeout_s: float = 60.0
     """How long a replica waits for the others' gradients at a step's end before
     dropping the missing ones (a replica whose Last Will fired is dropped at once)."""
+    hop_timeout_min_s: float = 5.0
+    """Floor of a hop's measured deadline (round-trip EWMA plus deviations), so
+    a burst of fast calls cannot make the next slow-but-healthy one look dead."""
+    reduce_codec: str = "lossless"
+    """Codec of the replicas' gradient (or DiLoCo parameter delta) exchange: lossless,
+    fp16, bf16, int8 or int4. Every replica adds the decoded form of its own
+    contribution too, so lossy codecs keep the replicas bit-identical."""
+    sync: str = "every_step"
+    """How replicas of a stage stay equal: "every_step" sums gradients before every
+    optimizer step; "diloco" takes `diloco_inner_steps` local AdamW steps on each
+    replica's own gradients, then averages parameters with an outer Nesterov step."""
+    diloco_inner_steps: int = 10
+    """Local optimizer steps between two parameter averages (sync = "diloco")."""
+    diloco_outer_lr: float = 0.7
+    """Outer learning rate applied to the averaged parameter delta (sync = "diloco")."""
+    diloco_outer_momentum: float = 0.9
+    """Nesterov momentum of the outer step (sync = "diloco"); 0 means plain averaging
+    when diloco_outer_lr is 1."""
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -190,6 +209,24 @@ class PipelineConfig:
             raise ConfigError("pipeline.int8_block_size must be >= 1")
         if self.hop_timeout_s <= 0 or self.reduce_timeout_s <= 0:
             raise ConfigError("pipeline.hop_timeout_s and reduce_timeout_s must be positive")
+        if not 0 < self.hop_timeout_min_s <= self.hop_timeout_s:
+            raise ConfigError(
+                f"pipeline.hop_timeout_min_s={self.hop_timeout_min_s} must be positive and at "
+                f"most pipeline.hop_timeout_s={self.hop_timeout_s}"
+            )
+        if self.reduce_codec not in CODEC_NAMES:
+            raise ConfigError(
+                f"pipeline.reduce_codec={self.reduce_codec!r} is not one of "
+                f"{', '.join(CODEC_NAMES)}"
+            )
+        if self.sync not in SYNC_MODES:
+            raise ConfigError(f"pipeline.sync={self.sync!r} is not one of {', '.join(SYNC_MODES)}")
+        if self.diloco_inner_steps < 1:
+            raise ConfigError("pipeline.diloco_inner_steps must be >= 1")
+        if self.diloco_outer_lr <= 0:
+            raise ConfigError("pipeline.diloco_outer_lr must be positive (try 0.7)")
+        if not 0 <= self.diloco_outer_momentum < 1:
+            raise ConfigError("pipeline.diloco_outer_momentum must be in [0, 1) (try 0.9)")
         if self.in_flight < 1:
             raise ConfigError("pipeline.in_flight must be >= 1")
 
@@ -201,14 +238,39 @@ class CoordinatorConfig:
     lease_timeout_s: float = 300.0
     """A lease not committed within this long is leased again (counted as replayed)."""
     min_nodes: int = 0
-    """Nodes that must be online before step 0 opens (0: one per stage). Until
-    state transfer exists, a node cannot join a stage that already trains."""
+    """Nodes that must be online before step 0 opens (0: one per stage). Nodes
+    that come later download their stage's state from a live replica first."""
+    join_hold_s: float = 30.0
+    """How long the swarm may wait at a step boundary for a joining node whose
+    download the previous step outran, so a slow link cannot keep it out forever."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 0:
             raise ConfigError("coordinator.min_nodes must be >= 0")
+        if self.join_hold_s < 0:
+            raise ConfigError("coordinator.join_hold_s must be >= 0 (0: never wait for joiners)")
         if self.lease_timeout_s <= 0:
             raise ConfigError("coordinator.lease_timeout_s must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """Periodic checkpoints of every stage, so a stage whose last replica is gone can resume."""
+
+    every_steps: int = 10
+    """One replica of each stage saves the stage's state after every this many steps
+    (0: never; then a stage that loses every replica restarts from fresh parameters)."""
+    keep: int = 2
+    """Checkpoints kept per stage; older ones are deleted once a newer one is complete."""
+    dir: str = ""
+    """Empty: nodes upload to the coordinator, which keeps them under its --state-dir.
+    A path: a shared folder (NFS, a mounted bucket) every node reads and writes directly."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("checkpoint.every_steps must be >= 0 (0 turns checkpoints off)")
+        if self.keep < 1:
+            raise ConfigError("checkpoint.keep must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,6 +284,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         if not self.run_id or any(c in self.run_id for c in "/#+ "):

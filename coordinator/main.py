@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1:0",
         help="host:port of the embedded broker (use 0.0.0.0:1883 for remote volunteers)",
     )
+    parser.add_argument(
+        "--state-dir",
+        default="swarmpipe-state",
+        help="folder for what outlives the nodes: stage checkpoints (default: ./swarmpipe-state)",
+    )
     parser.add_argument("--ready-file", help="write the bound ports here as JSON once serving")
 
 
@@ -52,7 +57,7 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         embedded = EmbeddedBroker(*_split_hostport(args.broker_listen))
         broker = await embedded.start()
-    service = CoordinatorService(config, broker)
+    service = CoordinatorService(config, broker, args.state_dir)
     server = create_server()
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     await enable_health_and_reflection(

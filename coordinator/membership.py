@@ -10,6 +10,9 @@ from swarmpipe.protos import control_pb2
 # A node that joined but has not announced itself on MQTT yet still holds its
 # stage for this long, so two nodes joining together do not take the same one.
 JOIN_GRACE_S = 30.0
+# A replica's routing weight is republished when its measured rate moves this
+# far (relative) from the weight in the last plan; smaller moves are noise.
+WEIGHT_DRIFT = 0.25
 
 
 @dataclass(slots=True)
@@ -23,6 +26,11 @@ class Member:
     telemetry: control_pb2.Telemetry | None = None
     last_step: int = -1
     param_digest: str = ""
+    serving: bool = False
+    """In the plan: it holds its stage's state for the current step. A node that
+    joins a running run is online but not serving while it downloads that state."""
+    ready_step: int = -1
+    """A syncing node holding the state of the step about to open; it serves from then."""
 
 
 @dataclass(slots=True)
@@ -34,6 +42,7 @@ class Membership:
     gradient_codec: int
     members: dict[str, Member] = field(default_factory=dict)
     plan_version: int = 0
+    published_weights: dict[str, float] = field(default_factory=dict)
 
     def _holds_stage(self, m: Member, now: float) -> bool:
         if m.drained:
@@ -60,20 +69,64 @@ class Membership:
         return member
 
     def live(self) -> list[Member]:
-        return [m for m in self.members.values() if m.online and not m.drained]
+        """Serving nodes: online, not drained, and holding their stage's current state."""
+        return [m for m in self.members.values() if m.online and m.serving and not m.drained]
+
+    def replicas(self, stage: int) -> list[Member]:
+        """The live replicas of one stage, by node id."""
+        return sorted((m for m in self.live() if m.stage == stage), key=lambda m: m.node_id)
+
+    def promote(self, step: int) -> list[Member]:
+        """Step `step` opens: nodes that hold its state (ready_step) start serving."""
+        promoted = []
+        for m in self.members.values():
+            if m.ready_step == step and m.online and not m.drained and not m.serving:
+                m.serving, m.ready_step = True, -1
+                promoted.append(m)
+        return promoted
 
     def covered(self) -> bool:
         """Every stage has at least one live replica."""
         return {m.stage for m in self.live()} == set(range(self.num_stages))
 
+    def weights(self, stage: int) -> dict[str, float]:
+        """Routing weight of each live replica of `stage`: its measured compute rate.
+
+        The rate is samples per busy second of the node's compute thread, which
+        says what it *could* do; the rate it does do follows the traffic it is
+        sent, and weighting by that would starve whichever replica got less at
+        first. A replica with no measurement yet gets the mean of the others, or
+        1.0 when none is measured.
+        """
+        replicas = sorted((m for m in self.live() if m.stage == stage), key=lambda m: m.node_id)
+        measured = {
+            m.node_id: m.telemetry.compute_samples_per_second
+            for m in replicas
+            if m.telemetry is not None and m.telemetry.compute_samples_per_second > 0
+        }
+        default = sum(measured.values()) / len(measured) if measured else 1.0
+        return {m.node_id: measured.get(m.node_id, default) for m in replicas}
+
+    def weights_drifted(self) -> bool:
+        """Whether any live replica's weight moved past WEIGHT_DRIFT since the last plan."""
+        for stage in range(self.num_stages):
+            for node_id, weight in self.weights(stage).items():
+                old = self.published_weights.get(node_id)
+                if old is None or abs(weight - old) > WEIGHT_DRIFT * old:
+                    return True
+        return False
+
     def plan(self) -> control_pb2.Plan:
         self.plan_version += 1
         stages = []
+        self.published_weights = {}
         for s in range(self.num_stages):
+            weights = self.weights(s)
+            self.published_weights.update(weights)
+            by_id = {m.node_id: m for m in self.live()}
             replicas = [
-                control_pb2.Replica(node_id=m.node_id, address=m.address, weight=1.0)
-                for m in sorted(self.live(), key=lambda m: m.node_id)
-                if m.stage == s
+                control_pb2.Replica(node_id=node_id, address=by_id[node_id].address, weight=weight)
+                for node_id, weight in weights.items()
             ]
             stages.append(control_pb2.StagePlan(stage=s, replicas=replicas))
         return control_pb2.Plan(

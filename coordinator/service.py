@@ -2,6 +2,15 @@
 
 All state lives on one asyncio loop, so handlers need no locks. Domain errors
 become `context.abort(StatusCode..., message)` here, at the boundary only.
+
+Joining a running run: a node that joins after a step was applied is online
+but not serving (out of the plan, the reduce and the awaited acks) until it
+calls Ready with the state of the step it can start at (`target_step`). Ready
+is accepted at once while that step trains, or the node is promoted when that
+step opens (it fetched the state of a replica that already applied the step
+before); a state the swarm has moved past is STALE, and the node fetches again
+while the next step boundary waits for it (`coordinator.join_hold_s`). So no
+node enters a reduce at a step whose state it does not hold.
 """
 
 from __future__ import annotations
@@ -10,15 +19,19 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import aiomqtt
 import grpc
 
+from swarmpipe.checkpoints import CheckpointStore, CheckpointWriter, state_messages
 from swarmpipe.config import RunConfig, codec_enum, codec_name
-from swarmpipe.coordinator.membership import Membership
+from swarmpipe.coordinator.membership import Member, Membership
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
+from swarmpipe.errors import PeerError
 from swarmpipe.mqtt_bus import BrokerAddress, Topics, make_client
-from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +42,23 @@ _PHASES = {
     Phase.DONE: control_pb2.StepState.PHASE_DONE,
 }
 MAX_LEASE_WAIT_S = 30.0
+MAX_READY_WAIT_S = 30.0
 MAX_NODE_ID_LEN = 128
+# At most one plan per this many seconds for routing-weight changes alone
+# (membership changes publish at once): every plan reaches every node.
+PLAN_REFRESH_S = 5.0
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     """Membership, placement, the step protocol and the run's counters."""
 
-    def __init__(self, config: RunConfig, broker: BrokerAddress) -> None:
+    def __init__(
+        self, config: RunConfig, broker: BrokerAddress, state_dir: str | Path = "swarmpipe-state"
+    ) -> None:
         self.config = config
+        self.checkpoints = CheckpointStore(
+            Path(state_dir) / "checkpoints", config.run_id, keep=config.checkpoint.keep
+        )
         self.broker = broker
         self.topics = Topics(config.run_id)
         self.membership = Membership(
@@ -57,6 +79,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._mqtt: aiomqtt.Client | None = None
         self._mqtt_ready = asyncio.Event()
         self.done = asyncio.Event()
+        self._plan_published_at = 0.0
 
     # -- state changes --------------------------------------------------
 
@@ -70,6 +93,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self._mqtt.publish(topic, payload, qos=1, retain=True)
 
     async def _publish_plan(self) -> None:
+        self._plan_published_at = time.monotonic()
         plan = self.membership.plan()
         await self._publish(self.topics.plan, plan.SerializeToString())
 
@@ -100,11 +124,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if before[0] is not Phase.APPLY:
                 # The step just ended: every live node must apply it before the next opens.
                 p.await_acks({m.node_id for m in self.membership.live()})
-            p.try_advance()
+            if p.try_advance():
+                await self._step_opened()
+            else:
+                self._wake_when_holds_expire()
         if (p.phase, p.step) != before:
             logger.info("step %d: %s", p.step, p.phase.value)
             await self._publish_step()
         self._notify()
+
+    async def _step_opened(self) -> None:
+        """A step opened: joiners holding its state serve from now on, in the plan first."""
+        promoted = self.membership.promote(self.protocol.step)
+        for m in promoted:
+            logger.info(
+                "node %s serves stage %d from step %d", m.node_id, m.stage, self.protocol.step
+            )
+        if promoted:
+            await self._publish_plan()
+
+    def _wake_when_holds_expire(self) -> None:
+        left = self.protocol.held()
+        if left is not None:
+            loop = asyncio.get_running_loop()
+            loop.call_later(left + 0.01, lambda: asyncio.ensure_future(self._after_change()))
 
     # -- gRPC API -------------------------------------------------------
 
@@ -120,21 +163,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
         if self.protocol.phase is Phase.DONE:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
-        if self.protocol.history and self.membership.covered():
-            # A joiner would start from fresh parameters beside replicas that
-            # have trained: refuse rather than corrupt the stage silently.
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "the run has started and every stage is served; nodes cannot join a running "
-                "stage until state transfer is implemented",
-            )
+        # The joiner serves only once it holds its stage's current state (Ready).
         member = self.membership.assign(request.node_id, request.address)
         logger.info(
-            "node %s (%s, version %s) joined: stage %d",
+            "node %s (%s, version %s) joined: stage %d, %d replica(s) serving it",
             request.node_id,
             request.address,
             request.version or "?",
             member.stage,
+            len(self.membership.replicas(member.stage)),
         )
         return coordinator_pb2.JoinReply(
             run_id=self.config.run_id,
@@ -160,7 +197,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 return Reply(status=Reply.STATUS_DONE)
             if member.drained:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node was drained")
-            lease = self.protocol.lease(request.node_id) if member.online else None
+            serving = member.online and member.serving
+            lease = self.protocol.lease(request.node_id) if serving else None
             if lease is not None:
                 return Reply(
                     status=Reply.STATUS_GRANTED,
@@ -204,12 +242,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.StepDoneRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.StepDoneReply:
         member = self.membership.members.get(request.node_id)
-        if member is not None and request.param_digest:
+        if member is not None and member.serving and request.param_digest:
             member.last_step, member.param_digest = request.step, request.param_digest
         if self.protocol.ack(request.node_id, request.step):
             logger.info("step %d applied on every node", request.step)
+            await self._step_opened()
             await self._publish_step()
             self._notify()
+        elif self.protocol.phase is Phase.APPLY and not self.protocol.awaiting:
+            self._wake_when_holds_expire()
         return coordinator_pb2.StepDoneReply()
 
     async def Status(
@@ -230,6 +271,161 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self._publish_plan()
         await self._after_change()
         return coordinator_pb2.DrainReply()
+
+    # -- joining a running run -------------------------------------------
+
+    async def _syncing_member(self, node_id: str, context: grpc.aio.ServicerContext) -> Member:
+        member = self.membership.members.get(node_id)
+        if member is None or member.drained:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {node_id!r} has not joined (or was drained); call Join first",
+            )
+        assert member is not None  # abort() raised otherwise
+        return member
+
+    async def SyncInfo(
+        self, request: coordinator_pb2.SyncInfoRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.SyncInfoReply:
+        member = await self._syncing_member(request.node_id, context)
+        p = self.protocol
+        return coordinator_pb2.SyncInfoReply(
+            step=p.step,
+            applying=p.phase is Phase.APPLY,
+            done=p.phase is Phase.DONE,
+            replicas=[
+                control_pb2.Replica(node_id=m.node_id, address=m.address, weight=1.0)
+                for m in self.membership.replicas(member.stage)
+                if m.node_id != member.node_id
+            ],
+        )
+
+    async def Ready(
+        self, request: coordinator_pb2.ReadyRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ReadyReply:
+        member = await self._syncing_member(request.node_id, context)
+        Reply = coordinator_pb2.ReadyReply
+        deadline = time.monotonic() + min(max(request.wait_seconds, 0.0), MAX_READY_WAIT_S)
+        step = int(request.step)
+        while True:
+            p = self.protocol
+            if self.membership.members.get(request.node_id) is not member or member.drained:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, "this node joined again or was drained"
+                )
+            applying = p.phase is Phase.APPLY
+            if p.phase is Phase.DONE:
+                return Reply(status=Reply.STATUS_DONE, step=p.step)
+            if member.serving:
+                return Reply(status=Reply.STATUS_ACCEPTED, step=p.step, applying=applying)
+            if step != p.target_step:
+                # The swarm moved past this state (or the node is confused): it fetches
+                # again, and the next step boundary waits for it so it can catch up.
+                p.hold(member.node_id, self.config.coordinator.join_hold_s)
+                member.ready_step = -1
+                logger.info(
+                    "node %s holds step %d but the swarm needs %d; it fetches again",
+                    member.node_id,
+                    step,
+                    p.target_step,
+                )
+                return Reply(status=Reply.STATUS_STALE, step=p.step, applying=applying)
+            pending = applying and member.ready_step == step
+            if member.online and not pending:  # its Last Will is armed: losing it is noticed
+                member.last_step = step - 1
+                if applying:
+                    # Promoted when `step` opens (_step_opened); the boundary need not wait.
+                    member.ready_step = step
+                    p.drop_hold(member.node_id)
+                    await self._after_change()
+                else:
+                    member.serving, member.ready_step = True, -1
+                    p.drop_hold(member.node_id)
+                    logger.info(
+                        "node %s serves stage %d from step %d", member.node_id, member.stage, step
+                    )
+                    await self._publish_plan()
+                    await self._after_change()
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Reply(status=Reply.STATUS_WAIT, step=p.step, applying=applying)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+
+    # -- the checkpoint store ----------------------------------------------
+
+    async def PutCheckpoint(
+        self,
+        request_iterator: AsyncIterator[state_pb2.StateMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> coordinator_pb2.PutCheckpointReply:
+        writer: CheckpointWriter | None = None
+        try:
+            async for message in request_iterator:
+                if writer is None:
+                    writer = self._checkpoint_writer(message)
+                await asyncio.to_thread(writer.add, message)
+            if writer is None:
+                raise PeerError("the checkpoint stream was empty")
+            path = await asyncio.to_thread(writer.commit)
+        except PeerError as exc:
+            if writer is not None:
+                writer.abort()
+            logger.warning("refused a checkpoint: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # unreachable: abort raises
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        manifest = writer.stream.manifest
+        assert manifest is not None
+        logger.info(
+            "checkpoint of stage %d at step %d from %s stored (%d bytes)",
+            manifest.stage,
+            manifest.step,
+            manifest.node_id,
+            manifest.payload_bytes,
+        )
+        return coordinator_pb2.PutCheckpointReply(stored_as=str(path))
+
+    def _checkpoint_writer(self, first: state_pb2.StateMessage) -> CheckpointWriter:
+        if first.WhichOneof("kind") != "manifest":
+            raise PeerError("a checkpoint stream starts with its manifest")
+        manifest = first.manifest
+        member = self.membership.members.get(manifest.node_id)
+        if member is None or not member.serving or member.stage != manifest.stage:
+            raise PeerError(
+                f"{manifest.node_id!r} is not a serving replica of stage {manifest.stage}"
+            )
+        if manifest.step > self.protocol.step + 1:
+            raise PeerError(f"step {manifest.step} is ahead of the run's step {self.protocol.step}")
+        return self.checkpoints.receive(manifest.stage)
+
+    async def GetCheckpoint(
+        self, request: coordinator_pb2.GetCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[state_pb2.StateMessage]:
+        member = await self._syncing_member(request.node_id, context)
+        if request.stage != member.stage:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {request.node_id!r} serves stage {member.stage}, not {request.stage}",
+            )
+        latest = self.checkpoints.latest(request.stage)
+        if latest is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no checkpoint of stage {request.stage} yet"
+            )
+        assert latest is not None
+        try:
+            manifest, chunks = await asyncio.to_thread(self.checkpoints.read, latest[1])
+        except (OSError, PeerError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"{latest[1]} is unreadable: {exc}")
+            raise  # unreachable
+        messages = state_messages(manifest, chunks)
+        while (message := await asyncio.to_thread(_next_or_none, messages)) is not None:
+            yield message
 
     def status(self) -> coordinator_pb2.StatusReply:
         p = self.protocol
@@ -285,6 +481,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     last_step=max(m.last_step, 0),
                     param_digest=m.param_digest,
                     compute_seconds_per_microbatch=t.compute_seconds_per_microbatch if t else 0.0,
+                    serving=m.serving and m.online and not m.drained,
                 )
             )
             for link in t.links if t else ():
@@ -339,6 +536,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 await self._on_presence(node_id, presence)
             elif what == "telemetry" and member is not None:
                 member.telemetry = control_pb2.Telemetry.FromString(bytes(payload))
+                now = time.monotonic()
+                if (
+                    now - self._plan_published_at > PLAN_REFRESH_S
+                    and self.membership.weights_drifted()
+                ):
+                    await self._publish_plan()
         except Exception as exc:  # a hostile or broken payload must not stop the watch
             logger.warning("ignoring malformed %s message from %s: %s", what, node_id, exc)
 
@@ -351,6 +554,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if presence.online == member.online:
             return
         member.online = presence.online
+        if not presence.online:
+            member.serving, member.ready_step = False, -1
         if presence.online:
             logger.info("node %s online (stage %d)", node_id, member.stage)
         else:
@@ -390,3 +595,8 @@ def _link_choice_record(
             for c in estimate.changes
         ],
     )
+
+
+def _next_or_none(messages: Iterator[state_pb2.StateMessage]) -> state_pb2.StateMessage | None:
+    """The next message (read from disk in a worker thread), or None at the end."""
+    return next(messages, None)

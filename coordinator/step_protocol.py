@@ -112,6 +112,7 @@ class StepProtocol:
     _retired: dict[int, Lease] = field(default_factory=dict)
     _next_lease_id: int = 1
     _awaiting_ack: set[str] = field(default_factory=set)
+    _holds: dict[str, float] = field(default_factory=dict)
     _opened: bool = False
     _eval_pending: int = 0
     run_started_at: float | None = None
@@ -249,6 +250,7 @@ class StepProtocol:
         for lease in lost:
             self._requeue(lease)
         self._awaiting_ack.discard(node_id)
+        self._holds.pop(node_id, None)
         return sum(lease.sample_count for lease in lost)
 
     def expire(self) -> int:
@@ -280,9 +282,35 @@ class StepProtocol:
         self._awaiting_ack.discard(node_id)
         return self.try_advance()
 
+    @property
+    def target_step(self) -> int:
+        """The step whose state a node must hold to start serving now: the current step,
+        or the next one while the current one is being applied."""
+        return self.step + 1 if self.phase is Phase.APPLY else self.step
+
+    def hold(self, node_id: str, seconds: float) -> None:
+        """Keep the next step from opening for up to `seconds` while `node_id` fetches its
+        state: a joiner whose download the last step outran gets the boundary to itself."""
+        if seconds > 0:
+            self._holds[node_id] = self.clock() + seconds
+
+    def drop_hold(self, node_id: str) -> None:
+        self._holds.pop(node_id, None)
+
+    def held(self) -> float | None:
+        """Seconds until the last hold expires, or None when nothing holds the boundary."""
+        now = self.clock()
+        for node, until in list(self._holds.items()):
+            if until <= now:
+                del self._holds[node]
+        return max(self._holds.values()) - now if self._holds else None
+
     def try_advance(self) -> bool:
-        """Open the next step (or finish) once no node still owes an acknowledgement."""
+        """Open the next step (or finish) once no node still owes an acknowledgement
+        and no joining node holds the boundary."""
         if self.phase is not Phase.APPLY or self._awaiting_ack:
+            return False
+        if self.held() is not None and self.step + 1 < self.total_steps:
             return False
         done = self.current
         self.counters.lost += self.global_batch - done.samples

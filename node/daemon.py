@@ -2,10 +2,14 @@
 
 Lifecycle: bind the Stage server (port 0 is fine), join the coordinator over
 gRPC (which returns the run spec and this node's stage), build the stage,
-announce presence on MQTT with a Last Will, then serve, lead (stage 0) and
-apply optimizer steps as the coordinator announces them, until the run is
-done, the node is drained, or it gets SIGTERM/SIGINT (drain in-flight work,
-then exit 0).
+announce presence on MQTT with a Last Will, bring the stage's state up to
+the swarm's step (node/state_transfer.py: from a live replica, a checkpoint,
+or the seed before the run starts) and get accepted into the plan, then
+serve, lead (stage 0), apply optimizer steps as the coordinator announces
+them and checkpoint every few steps, until the run is done, the node is
+drained, or it gets SIGTERM/SIGINT (drain in-flight work, then exit 0).
+Until it is accepted the node refuses microbatches and takes no part in
+the reduce: its parameters are not the stage's yet.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from swarmpipe.config import RunConfig, codec_enum
 from swarmpipe.errors import CoordinatorUnavailable
 from swarmpipe.logs import set_log_identity
 from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
+from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.head import Head
 from swarmpipe.node.link_limit import MBIT
@@ -36,6 +41,7 @@ from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
 from swarmpipe.node.stage_runtime import StageRuntime
+from swarmpipe.node.state_transfer import StateTransfer
 from swarmpipe.node.transport import LinkStats
 from swarmpipe.protos import (
     control_pb2,
@@ -115,6 +121,12 @@ class NodeDaemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._applying: set[int] = set()
         self.replica_sync = ReplicaSync(self)
+        self.state_transfer = StateTransfer(self)
+        self.checkpointer = Checkpointer(self)
+        self.serving = False
+        """Accepted into the plan: holds the stage's state for the swarm's current step."""
+        self._last_step_state: control_pb2.StepState | None = None
+        self._ready_info: dict[str, Any] = {}
 
     # -- coordinator calls ----------------------------------------------
 
@@ -189,6 +201,7 @@ class NodeDaemon:
                 host = _route_host(coord_host)
             reply = await self._join(f"{host}:{port}")
             self.config = RunConfig.from_json(reply.run_config_json)
+            self.router.configure(self.config.pipeline)
             self.stage = reply.stage
             set_log_identity(f"node {self.node_id} stage {self.stage}")
             self.activation_codec = codec_enum(self.config.pipeline.activation_codec)
@@ -229,16 +242,16 @@ class NodeDaemon:
                 # The coordinator's embedded broker listens beside it; reach it
                 # at the coordinator's host rather than our own loopback.
                 broker = parse_broker_url(f"mqtt://{coord_host}:{broker.port}")
+            self._ready_info = {
+                "grpc_port": port,
+                "node_id": self.node_id,
+                "stage": stage,
+                "pid": os.getpid(),
+                "joined_at": time.time(),
+                "serving": False,
+            }
             if self.options.ready_file:
-                write_ready_file(
-                    self.options.ready_file,
-                    {
-                        "grpc_port": port,
-                        "node_id": self.node_id,
-                        "stage": stage,
-                        "pid": os.getpid(),
-                    },
-                )
+                write_ready_file(self.options.ready_file, self._ready_info)
             self._topics = Topics(reply.run_id)
             will = aiomqtt.Will(
                 self._topics.presence(self.node_id),
@@ -258,10 +271,10 @@ class NodeDaemon:
                 )
                 self._spawn(self._read_mqtt(client))
                 self._spawn(self._telemetry_loop(client))
-                if self._head is not None:
-                    self._spawn(self._head.run())
+                self._spawn(self._start_serving())
                 await self._stop.wait()
                 await self._drain()
+                await self.checkpointer.close()
                 useful = max(time.monotonic() - self.started_at, 1e-9)
                 logger.info("leaving: %s", self.status_line(self.samples_processed / useful))
                 await self._cancel_tasks()
@@ -284,6 +297,20 @@ class NodeDaemon:
             await self._channel.close()
             self.compute.close()
         return self._exit_reason
+
+    async def _start_serving(self) -> None:
+        """Catch up with the swarm, then take traffic (and lead, on stage 0)."""
+        if not await self.state_transfer.join():
+            return
+        self.serving = True
+        if self.options.ready_file:
+            self._ready_info.update(serving=True, **self.state_transfer.report)
+            write_ready_file(self.options.ready_file, self._ready_info)
+        if self._last_step_state is not None:
+            # An APPLY of the step it now serves may have come while it was syncing.
+            self._on_step(self._last_step_state)
+        if self._head is not None:
+            self._spawn(self._head.run())
 
     async def _cancel_tasks(self) -> None:
         tasks = list(self._tasks)
@@ -360,10 +387,13 @@ class NodeDaemon:
         runtime = self.runtime
         if runtime is None:
             return
-        if state.phase == Phase.PHASE_APPLY and state.step == runtime.step:
-            self._spawn(self._apply(state.step))
-        elif state.phase == Phase.PHASE_DONE:
+        self._last_step_state = state
+        if state.phase == Phase.PHASE_DONE:
             self.stop("the run has finished")
+        elif not self.serving:
+            return  # a syncing node's state is not the stage's: it applies nothing
+        elif state.phase == Phase.PHASE_APPLY and state.step == runtime.step:
+            self._spawn(self._apply(state.step))
 
     async def _apply(self, step: int) -> None:
         runtime = self.runtime
@@ -371,17 +401,26 @@ class NodeDaemon:
         if step in self._applying:
             return  # MQTT delivers at least once: this APPLY is already being handled
         self._applying.add(step)
-        reduced, replicas = await self.replica_sync.reduce(step)
-        samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
+        replicas = 1
+        if runtime.outer is None:
+            reduced, replicas = await self.replica_sync.reduce(step)
+            samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
+            how = f"{replicas} replica{'' if replicas == 1 else 's'}"
+        else:
+            # DiLoCo: a local inner step, and every few steps the outer average.
+            # At a round's end the step number moves only after the outer step,
+            # so a joiner's state fetch never sees the parameters in between.
+            ends = runtime.outer_round_ends(step)
+            samples = await self.compute.run(
+                BACKWARD, lambda: runtime.apply_step(step, None, advance=not ends)
+            )
+            how = "local"
+            if ends:
+                replicas = await self.replica_sync.average_parameters(step)
+                how = f"local, then averaged over {replicas} replica{'' if replicas == 1 else 's'}"
+        self.state_transfer.step_advanced()
         digest = await self.compute.run(BACKWARD, runtime.parameter_digest)
-        logger.info(
-            "applied step %d (%d samples, %d replica%s, params %s)",
-            step,
-            samples,
-            replicas,
-            "" if replicas == 1 else "s",
-            digest,
-        )
+        logger.info("applied step %d (%d samples, %s, params %s)", step, samples, how, digest)
         await self.call_coordinator(
             "StepDone",
             coordinator_pb2.StepDoneRequest(
@@ -392,6 +431,7 @@ class NodeDaemon:
                 replicas=replicas,
             ),
         )
+        await self.checkpointer.after_step(step + 1)
 
     async def _telemetry_loop(self, client: aiomqtt.Client) -> None:
         assert self._topics is not None
@@ -431,6 +471,11 @@ class NodeDaemon:
             timestamp=time.time(),
             link_estimates=self.links.snapshot(),
             compute_seconds_per_microbatch=self.links.compute.value or 0.0,
+            compute_samples_per_second=(
+                self.samples_processed / self.compute.busy_seconds
+                if self.compute.busy_seconds > 0
+                else 0.0
+            ),
         )
 
 

@@ -2,9 +2,10 @@
 
 Each of `pipeline.in_flight` workers leases a range, runs stage 0, sends the
 activations downstream and, when the gradient comes back, runs backward and
-commits. A failed hop is retried with backoff while the head keeps the
-activations (the plan may route around the failure meanwhile); a microbatch
-that still cannot finish is released, so the coordinator leases it again.
+commits. A failed or overdue hop is resent to another replica (with backoff
+between rounds) while the head keeps the activations; the plan may route
+around the failure meanwhile. A microbatch that still cannot finish is
+released, so the coordinator leases it again.
 Nothing is dropped silently: a released lease is logged as an ERROR.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError, HopResult
 from swarmpipe.protos import coordinator_pb2, stage_pb2
@@ -127,6 +128,7 @@ class Head:
                 if hop is None:
                     await self._release(lease, "every attempt to send it downstream failed")
                     return
+                await fault_points.reach("head.hop_done", lease.step)
                 grad = hop.grad_input
                 assert grad is not None
                 _, backward_s = await d.compute.run_timed(
@@ -196,27 +198,28 @@ class Head:
         d = self.daemon
         config = d.config
         assert config is not None
-        delay = BACKOFF_START_S
-        for attempt in range(1, HOP_ATTEMPTS + 1):
-            try:
-                return await d.router.send(
-                    1,
-                    header,
-                    output,
-                    codec=d.activation_codec,
-                    block_size=config.pipeline.int8_block_size,
-                    timeout=config.pipeline.hop_timeout_s,
+        try:
+            return await d.router.send_rerouting(
+                1,
+                header,
+                output,
+                codec=d.activation_codec,
+                block_size=config.pipeline.int8_block_size,
+                attempts=HOP_ATTEMPTS,
+                backoff_s=BACKOFF_START_S,
+                backoff_max_s=BACKOFF_MAX_S,
+            )
+        except HopError as exc:
+            if not exc.retryable:
+                logger.error("microbatch %s refused downstream: %s", header.microbatch_id, exc)
+            else:
+                logger.warning(
+                    "microbatch %s: last of %d tries failed: %s",
+                    header.microbatch_id,
+                    HOP_ATTEMPTS,
+                    exc,
                 )
-            except HopError as exc:
-                if not exc.retryable:
-                    logger.error("microbatch %s refused downstream: %s", header.microbatch_id, exc)
-                    return None
-                logger.debug("attempt %d for %s failed: %s", attempt, header.microbatch_id, exc)
-                # Exponential backoff with jitter: the wait also gives the
-                # coordinator time to publish a plan without a vanished node.
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, BACKOFF_MAX_S)
-        return None
+            return None
 
     async def _release(self, lease: coordinator_pb2.LeaseReply, reason: str) -> None:
         d = self.daemon

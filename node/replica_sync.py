@@ -1,35 +1,52 @@
-"""Replica sync: the replicas of a stage sum their gradients before every optimizer step.
+"""Replica sync: the replicas of a stage agree on one update, so their parameters stay equal.
 
-At APPLY, each replica sends its flat gradient sum (with its token and sample
-counts) to every other replica of its stage over Stage.Reduce, chunked and
-lossless, and waits for theirs. Every replica then adds the same
-contributions in the same order (sorted by node id), so all of them take a
-bit-identical AdamW step and their parameters stay equal. A replica that
-leaves the plan (its Last Will fired) while others wait for it is dropped and
-the rest finish; one that stays in the plan but sends nothing is dropped when
-`pipeline.reduce_timeout_s` runs out.
+Two modes (`pipeline.sync`). In "every_step", at APPLY each replica sends its
+flat gradient sum (with its token and sample counts) to every other replica
+of its stage over Stage.Reduce, chunked and encoded with
+`pipeline.reduce_codec`, and every replica adds the agreed contributions in
+the same order (sorted by node id), so all of them take a bit-identical AdamW
+step. In "diloco" the same exchange carries each replica's parameter delta at
+the end of an outer round instead (see diloco.py). A lossy reduce codec stays
+bit-identical because each replica adds the decoded form of its own
+contribution, exactly what the others decode.
 
-Known gap, left for state transfer to close: if a replica's send fails while
-it still receives the others', it and they sum different sets and drift apart;
-the step's parameter digests (reported to the coordinator) make that visible.
+Agreement. A contribution can reach some replicas and not others (a send
+fails one way, a replica is SIGKILLed halfway through its sends). So the
+exchange has a second round: each replica sends a manifest of the
+contributions it holds, and applies only those that its own and every
+manifest it received list; so a replica whose sends fail while it still
+receives the others' applies what they apply (their manifests lack its
+contribution). Every replica still in the plan is waited for; one that
+leaves it (its Last Will fired) is not; one that stays in the plan but sends
+nothing is given up on when `pipeline.reduce_timeout_s` runs out, and if our
+own contribution never reached it, we leave ours out too, since it cannot
+have added it.
+
+Known limit: two replicas that cannot reach each other in either direction
+while both stay in the plan can still decide differently (agreement under
+partitions needs more rounds than this); the parameter digests each node
+reports after every step make that visible.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
+from swarmpipe.compression import decode_tensor
+from swarmpipe.config import codec_enum
 from swarmpipe.errors import PeerError
+from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD
 from swarmpipe.node.links import Transfer
-from swarmpipe.node.transport import TensorReader, encode
+from swarmpipe.node.transport import EncodedTensor, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
@@ -37,14 +54,23 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Contribution = tuple[torch.Tensor, int, int]  # flat gradient sum, tokens, samples
+Contribution = tuple[torch.Tensor, int, int]  # flat vector, tokens, samples
+MAX_MANIFEST_ENTRIES = 1024
+WAIT_SLICE_S = 0.1
+
+
+@dataclass(slots=True)
+class _Round:
+    """What arrived from peers for one (step, kind) exchange."""
+
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    manifests: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 class ReplicaSync:
     def __init__(self, daemon: NodeDaemon) -> None:
         self.daemon = daemon
-        self._inbox: dict[str, Contribution] = {}
-        self._inbox_step = -1
+        self._rounds: dict[tuple[int, bool], _Round] = {}
         self._arrived = asyncio.Event()
 
     def _peers(self) -> dict[str, str]:
@@ -59,10 +85,29 @@ class ReplicaSync:
             if r.node_id != self.daemon.node_id
         }
 
+    def _round(self, step: int, delta: bool) -> _Round:
+        key = (step, delta)
+        if key not in self._rounds:
+            # Keep only exchanges that can still be running: this step's and the next.
+            for old in [k for k in self._rounds if k[0] < step - 1]:
+                del self._rounds[old]
+            self._rounds[key] = _Round()
+        return self._rounds[key]
+
+    def _check_step(self, step: int, delta: bool) -> None:
+        runtime = self.daemon.runtime
+        assert runtime is not None
+        # Both exchanges happen before the step number moves past `step` (a
+        # DiLoCo round's last inner step leaves it for the outer step to move).
+        if step != runtime.step:
+            raise PeerError(f"reduce for step {step}; this node is at step {runtime.step}")
+        if delta != (runtime.outer is not None):
+            raise PeerError("the peer's sync mode (every_step or diloco) differs from this node's")
+
     async def receive(
         self, requests: AsyncIterator[stage_pb2.ReduceMessage]
     ) -> stage_pb2.ReduceReply:
-        """Take one peer's contribution (the server side of Stage.Reduce)."""
+        """Take one peer's contribution or manifest (the server side of Stage.Reduce)."""
         runtime = self.daemon.runtime
         if runtime is None:
             raise PeerError("this node is still starting")
@@ -70,101 +115,189 @@ class ReplicaSync:
         reader: TensorReader | None = None
         async for message in requests:
             kind = message.WhichOneof("kind")
+            if kind == "manifest" and header is None:
+                self._take_manifest(message.manifest)
+                return stage_pb2.ReduceReply()
             if kind == "header" and header is None:
                 header = message.header
-                if header.step != runtime.step:
-                    raise PeerError(
-                        f"reduce for step {header.step}; this node is at {runtime.step}"
-                    )
+                self._check_step(header.step, header.parameter_delta)
                 if header.sender_node not in self._peers():
                     raise PeerError(f"{header.sender_node!r} is not a replica of this stage")
             elif kind == "tensor" and header is not None and reader is None:
                 want = [runtime.n_parameters]
                 if list(message.tensor.shape) != want:
-                    raise PeerError(f"gradient shape {list(message.tensor.shape)} is not {want}")
+                    raise PeerError(f"tensor shape {list(message.tensor.shape)} is not {want}")
                 reader = TensorReader(message.tensor, self.daemon.stats)
             elif kind == "chunk" and reader is not None:
                 reader.add(message.chunk.data)
             else:
-                raise PeerError("a reduce call is a header, a tensor header, then its chunks")
+                raise PeerError(
+                    "a reduce call is a manifest, or a header, a tensor header, then its chunks"
+                )
         if header is None or reader is None:
             raise PeerError("the reduce call ended before its headers")
         flat = (await reader.finish()).float()
         if not bool(torch.isfinite(flat).all()):
-            raise PeerError("the gradient contains NaN or infinite values")
-        if self._inbox_step != header.step:
-            self._inbox, self._inbox_step = {}, header.step
-        self._inbox[header.sender_node] = (flat, int(header.tokens), int(header.samples))
+            raise PeerError("the tensor contains NaN or infinite values")
+        exchange = self._round(header.step, header.parameter_delta)
+        exchange.contributions[header.sender_node] = (
+            flat,
+            int(header.tokens),
+            int(header.samples),
+        )
         self._arrived.set()
         return stage_pb2.ReduceReply()
 
-    async def _send(self, peer: str, address: str, step: int, own: Contribution) -> None:
-        d = self.daemon
-        config = d.config
-        assert config is not None
-        codec = d.links.codec_for(
-            peer, "reduce", own[0], step=step, requested=tensor_pb2.CODEC_LOSSLESS
-        )
-        encoded = await encode(own[0], codec, 0)
-        header = stage_pb2.ReduceHeader(
-            step=step, sender_node=d.node_id, tokens=own[1], samples=own[2]
-        )
+    def _take_manifest(self, manifest: stage_pb2.ReduceManifest) -> None:
+        self._check_step(manifest.step, manifest.parameter_delta)
+        if manifest.sender_node not in self._peers():
+            raise PeerError(f"{manifest.sender_node!r} is not a replica of this stage")
+        if len(manifest.received) > MAX_MANIFEST_ENTRIES:
+            raise PeerError(f"a manifest lists at most {MAX_MANIFEST_ENTRIES} replicas")
+        exchange = self._round(manifest.step, manifest.parameter_delta)
+        exchange.manifests[manifest.sender_node] = frozenset(manifest.received)
+        self._arrived.set()
 
-        async def messages(link: Transfer) -> AsyncIterator[stage_pb2.ReduceMessage]:
-            first = [
-                stage_pb2.ReduceMessage(header=header),
-                stage_pb2.ReduceMessage(tensor=encoded.header),
-            ]
-            chunks = (
-                stage_pb2.ReduceMessage(chunk=tensor_pb2.TensorChunk(data=c))
-                for c in encoded.chunks
-            )
-            for message in itertools.chain(first, chunks):
-                await link.pace(message.ByteSize())
+    async def _call(
+        self, peer: str, address: str, messages: list[stage_pb2.ReduceMessage], what: str
+    ) -> bool:
+        """One Reduce call to a peer; False (logged) when it failed."""
+        d = self.daemon
+        assert d.config is not None
+
+        async def stream(link: Transfer) -> AsyncIterator[stage_pb2.ReduceMessage]:
+            for message in messages:
+                await link.pace(message.ByteSize())  # the link's send limit covers the reduce
                 yield message
 
         stub = stage_pb2_grpc.StageStub(d.router.channel(address))
         try:
             async with d.links.transfer(peer, "reduce") as link:
-                await stub.Reduce(messages(link), timeout=config.pipeline.reduce_timeout_s)
-            d.stats.record(peer, "reduce", tensor_pb2.CODEC_LOSSLESS, encoded.payload_bytes)
+                await stub.Reduce(stream(link), timeout=d.config.pipeline.reduce_timeout_s)
+            return True
         except grpc.aio.AioRpcError as exc:
-            logger.warning("could not send step %d's gradient to %s: %s", step, peer, exc.details())
+            logger.warning("could not send %s to %s: %s", what, peer, exc.details())
+            return False
 
-    async def reduce(self, step: int) -> tuple[Contribution | None, int]:
-        """Sum this stage's gradients over its live replicas; (None, 1) when alone."""
-        d = self.daemon
-        runtime = d.runtime
-        config = d.config
-        assert runtime is not None and config is not None
-        peers = self._peers()
-        if not peers:
-            return None, 1
-        own = await d.compute.run(BACKWARD, runtime.local_gradient)
-        sends = [asyncio.create_task(self._send(p, a, step, own)) for p, a in peers.items()]
-        deadline = time.monotonic() + config.pipeline.reduce_timeout_s
-        while True:
-            inbox = self._inbox if self._inbox_step == step else {}
-            waiting = [p for p in self._peers() if p in peers and p not in inbox]
-            if not waiting:
-                break
+    async def _send_contribution(
+        self, peer: str, address: str, header: stage_pb2.ReduceHeader, encoded: EncodedTensor
+    ) -> bool:
+        messages = [
+            stage_pb2.ReduceMessage(header=header),
+            stage_pb2.ReduceMessage(tensor=encoded.header),
+            *(
+                stage_pb2.ReduceMessage(chunk=tensor_pb2.TensorChunk(data=chunk))
+                for chunk in encoded.chunks
+            ),
+        ]
+        sent = await self._call(peer, address, messages, f"step {header.step}'s contribution")
+        if sent:
+            self.daemon.stats.record(peer, "reduce", encoded.header.codec, encoded.payload_bytes)
+        return sent
+
+    async def _wait(
+        self, missing: Callable[[], list[str]], deadline: float, step: int, what: str
+    ) -> None:
+        """Wait until `missing()` is empty or the deadline passes (then log who was dropped)."""
+        while waiting := missing():
             if time.monotonic() > deadline:
-                logger.warning("step %d: no gradient from %s in time; dropped", step, waiting)
-                break
+                logger.warning("step %d: no %s from %s in time; dropped", step, what, waiting)
+                return
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=0.1)
+                await asyncio.wait_for(self._arrived.wait(), timeout=WAIT_SLICE_S)
             except TimeoutError:
                 pass
-        await asyncio.gather(*sends)
-        inbox = dict(self._inbox) if self._inbox_step == step else {}
-        contributions = {d.node_id: own, **{p: inbox[p] for p in peers if p in inbox}}
-        gone = sorted(set(peers) - set(contributions))
-        if gone:
-            logger.warning("step %d: replicas %s dropped from the reduce", step, gone)
 
+    async def exchange(
+        self, step: int, own: Contribution, *, delta: bool
+    ) -> dict[str, Contribution]:
+        """Swap contributions with the stage's other replicas; return the agreed set by node."""
+        d = self.daemon
+        config = d.config
+        assert config is not None
+        peers = self._peers()
+        codec = codec_enum(config.pipeline.reduce_codec)
+        encoded = await encode(own[0], codec, config.pipeline.int8_block_size)
+        if codec != tensor_pb2.CODEC_LOSSLESS:
+            # Add what the others will decode, not the exact vector, so every
+            # replica sums the very same numbers.
+            decoded = await asyncio.to_thread(
+                decode_tensor, encoded.header, b"".join(encoded.chunks)
+            )
+            own = (decoded.float().reshape(-1), own[1], own[2])
+        if not peers:
+            return {d.node_id: own}
+        exchange = self._round(step, delta)
+        header = stage_pb2.ReduceHeader(
+            step=step, sender_node=d.node_id, tokens=own[1], samples=own[2], parameter_delta=delta
+        )
+        unreachable: set[str] = set()
+
+        async def send(peer: str, address: str, first: bool) -> None:
+            if not await self._send_contribution(peer, address, header, encoded):
+                unreachable.add(peer)
+                self._arrived.set()
+            elif first:
+                await fault_points.reach("reduce.sent_one", step)
+
+        # Sorted and one after another when a test armed the pause, so "sent
+        # to one peer only" is a state the test can reach; otherwise at once.
+        ordered = sorted(peers.items())
+        if fault_points.armed("reduce.sent_one"):
+            for i, (peer, address) in enumerate(ordered):
+                await send(peer, address, i == 0)
+            sends: list[asyncio.Task[None]] = []
+        else:
+            sends = [asyncio.create_task(send(p, a, False)) for p, a in ordered]
+
+        def live_peers() -> set[str]:
+            # Peers we could not reach are waited for too: if they are alive,
+            # their manifest tells what they lack; if dead, their Last Will
+            # takes them out of the plan within a second or two.
+            return set(self._peers()) & set(peers)
+
+        deadline = time.monotonic() + config.pipeline.reduce_timeout_s
+        await self._wait(
+            lambda: sorted(live_peers() - set(exchange.contributions)),
+            deadline,
+            step,
+            "contribution",
+        )
+        await asyncio.gather(*sends)
+        held = {d.node_id: own} | {
+            p: exchange.contributions[p] for p in peers if p in exchange.contributions
+        }
+        manifest = stage_pb2.ReduceManifest(
+            step=step, sender_node=d.node_id, received=sorted(held), parameter_delta=delta
+        )
+        await asyncio.gather(
+            *(
+                self._call(p, peers[p], [stage_pb2.ReduceMessage(manifest=manifest)], "a manifest")
+                for p in sorted(live_peers())
+            )
+        )
+        await self._wait(
+            lambda: sorted(live_peers() - set(exchange.manifests)), deadline, step, "manifest"
+        )
+        agreed = set(held)
+        for sender, listed in exchange.manifests.items():
+            if sender in peers:
+                agreed &= listed
+        if unreachable & live_peers() - set(exchange.manifests):
+            # A live peer lacks this replica's contribution and its manifest
+            # did not come to say what it holds: withdrawing ours is the one
+            # choice that peer is sure to share.
+            agreed.discard(d.node_id)
+        dropped = sorted((set(peers) | {d.node_id}) - agreed)
+        if dropped:
+            logger.warning("step %d: contributions of %s dropped from the reduce", step, dropped)
+        return {node: held[node] for node in sorted(agreed)}
+
+    async def _sum(self, contributions: dict[str, Contribution]) -> Contribution:
         def add_up() -> Contribution:
-            total = torch.zeros_like(own[0])
+            first = next(iter(contributions.values()))[0]
+            total = torch.zeros_like(first)
             tokens = samples = 0
             for node in sorted(contributions):  # one order on every replica
                 flat, t, s = contributions[node]
@@ -173,4 +306,26 @@ class ReplicaSync:
                 samples += s
             return total, tokens, samples
 
-        return await d.compute.run(BACKWARD, add_up), len(contributions)
+        return await self.daemon.compute.run(BACKWARD, add_up)
+
+    async def reduce(self, step: int) -> tuple[Contribution | None, int]:
+        """Sum this stage's gradients over its live replicas; (None, 1) when alone."""
+        d = self.daemon
+        runtime = d.runtime
+        assert runtime is not None
+        if not self._peers():
+            return None, 1
+        own = await d.compute.run(BACKWARD, runtime.local_gradient)
+        agreed = await self.exchange(step, own, delta=False)
+        return await self._sum(agreed), len(agreed)
+
+    async def average_parameters(self, step: int) -> int:
+        """DiLoCo: average the replicas' deltas and take the outer step; returns replicas."""
+        d = self.daemon
+        runtime = d.runtime
+        assert runtime is not None
+        own = await d.compute.run(BACKWARD, runtime.parameter_delta)
+        agreed = await self.exchange(step, own, delta=True)
+        reduced = await self._sum(agreed)
+        await d.compute.run(BACKWARD, lambda: runtime.outer_step(step, reduced))
+        return len(agreed)

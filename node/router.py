@@ -1,9 +1,18 @@
 """Sending a microbatch to the next stage: replica choice, the Forward call, the gradient back.
 
 The sender keeps its activations until the gradient has come back, so a failed
-hop can be sent again (to another replica when the plan has one). Next-hop
-choice is random, weighted by the plan's throughput estimate and divided by
-this sender's open calls to each peer, so a slow replica gets less traffic.
+hop can be sent again: `send_rerouting` resends the same microbatch to another
+replica when the plan has one, and benches the peer that failed (see
+peer_health.py). Each call's deadline comes from the measured round-trip
+times of that peer (or its stage), bounded by `pipeline.hop_timeout_s`.
+Next-hop choice is random, weighted by the plan's throughput estimate and
+divided by this sender's open calls to each peer, so a slow replica gets less
+traffic.
+
+Status codes a hop's receiver returns, and what the sender does with them:
+INVALID_ARGUMENT is final (resending the same bytes cannot help); ABORTED
+means the receiver is fine but its own downstream failed (resend, no bench);
+anything else, a deadline included, benches the peer and resends.
 """
 
 from __future__ import annotations
@@ -11,14 +20,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import grpc
 import torch
 
+from swarmpipe.config import PipelineConfig
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.links import Links
+from swarmpipe.node.peer_health import PeerHealth
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from swarmpipe.rpc import open_channel
@@ -29,10 +41,13 @@ logger = logging.getLogger(__name__)
 class HopError(PeerError):
     """A hop failed; the sender may try again (the plan may have changed meanwhile)."""
 
-    def __init__(self, message: str, *, peer: str, retryable: bool = True) -> None:
+    def __init__(
+        self, message: str, *, peer: str, retryable: bool = True, peer_at_fault: bool = True
+    ) -> None:
         super().__init__(message)
         self.peer = peer
         self.retryable = retryable
+        self.peer_at_fault = peer_at_fault
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +71,26 @@ class Router:
         self._in_flight: dict[str, int] = defaultdict(int)
         self._rng = random.Random(seed)
         self._closing: set[asyncio.Task[None]] = set()
+        defaults = PipelineConfig()
+        self.health = PeerHealth(
+            min_deadline_s=defaults.hop_timeout_min_s,
+            max_deadline_s=defaults.hop_timeout_s,
+            rng=random.Random(seed),
+        )
+
+    def configure(self, pipeline: PipelineConfig) -> None:
+        """Take the run's deadline bounds (the router exists before the node has joined)."""
+        self.health.min_deadline_s = pipeline.hop_timeout_min_s
+        self.health.max_deadline_s = pipeline.hop_timeout_s
 
     def set_plan(self, plan: control_pb2.Plan) -> None:
         if self.plan is None or plan.version >= self.plan.version:
+            before = (
+                {r.node_id for s in self.plan.stages for r in s.replicas} if self.plan else set()
+            )
             self.plan = plan
             live = {r.address for s in plan.stages for r in s.replicas}
+            self.health.forget(before - {r.node_id for s in plan.stages for r in s.replicas})
             for address in [a for a in self._channels if a not in live]:
                 channel = self._channels.pop(address)
                 # Closing cancels calls still open on it; they fail and are resent.
@@ -68,13 +98,26 @@ class Router:
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
 
-    def pick(self, stage: int) -> control_pb2.Replica:
+    def pick(self, stage: int, avoid: frozenset[str] = frozenset()) -> control_pb2.Replica:
+        """Choose a replica of `stage` at random, weighted by plan weight over in-flight calls.
+
+        Replicas in `avoid` (this microbatch already failed there) and benched
+        ones are skipped while any other is left; when none is, the least bad
+        set is used rather than giving up on a stage that still has a node.
+        """
         plan = self.plan
         if plan is None or stage >= len(plan.stages) or not plan.stages[stage].replicas:
             raise HopError(f"the plan has no live replica of stage {stage}", peer="")
         replicas = list(plan.stages[stage].replicas)
-        weights = [max(r.weight, 1e-6) / (1 + self._in_flight[r.node_id]) for r in replicas]
-        return self._rng.choices(replicas, weights=weights)[0]
+        fresh = [r for r in replicas if r.node_id not in avoid]
+        healthy = [r for r in fresh if not self.health.benched(r.node_id)]
+        unbenched = [r for r in replicas if not self.health.benched(r.node_id)]
+        candidates = healthy or fresh or unbenched or replicas
+        weights = [max(r.weight, 1e-6) / (1 + self._in_flight[r.node_id]) for r in candidates]
+        return self._rng.choices(candidates, weights=weights)[0]
+
+    def in_flight(self, peer: str) -> int:
+        return self._in_flight[peer]
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -91,19 +134,26 @@ class Router:
         *,
         codec: int,
         block_size: int,
-        timeout: float,
+        time_left: float | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> HopResult:
         """Send one microbatch to a replica of `stage`; return its input gradient and result.
 
-        `codec` 0 (auto) lets the link to the chosen replica pick one.
+        `codec` 0 (auto) lets the link to the chosen replica pick one. The call's
+        deadline is the peer's measured one, cut to `time_left` (the caller's own
+        remaining time) when that is shorter.
         """
-        replica = self.pick(stage)
+        replica = self.pick(stage, avoid)
         peer = replica.node_id
         codec = self.links.codec_for(
             peer, "activation", activation, step=header.step, requested=codec
         )
         encoded = await encode(activation, codec, block_size)
         stub = stage_pb2_grpc.StageStub(self.channel(replica.address))
+        timeout = self.health.deadline(stage, peer)
+        if time_left is not None:
+            timeout = min(timeout, time_left)
+        started = time.monotonic()
         self._in_flight[peer] += 1
         try:
             call = stub.Forward(timeout=timeout)
@@ -130,22 +180,80 @@ class Router:
                 elif kind == "result":
                     if reader is not None:
                         grad = await reader.finish()
+                    self.health.succeeded(stage, peer, time.monotonic() - started)
                     return HopResult(grad, message.result, peer)
             raise PeerError("the stream ended without a result")
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            retryable = code not in (grpc.StatusCode.INVALID_ARGUMENT,)
-            raise HopError(
-                f"stage {stage} at {peer} ({replica.address}) failed: {code.name}: {exc.details()}",
+            error = HopError(
+                f"stage {stage} at {peer} ({replica.address}) failed after "
+                f"{time.monotonic() - started:.2f} s (deadline {timeout:.2f} s): "
+                f"{code.name}: {exc.details()}",
                 peer=peer,
-                retryable=retryable,
-            ) from exc
+                retryable=code != grpc.StatusCode.INVALID_ARGUMENT,
+                peer_at_fault=code != grpc.StatusCode.ABORTED,
+            )
+            if error.peer_at_fault:
+                self.health.failed(peer)
+            raise error from exc
         except (PeerError, CodecError) as exc:
             if isinstance(exc, HopError):
                 raise
+            self.health.failed(peer)
             raise HopError(f"stage {stage} at {peer} sent a bad reply: {exc}", peer=peer) from exc
         finally:
             self._in_flight[peer] -= 1
+
+    async def send_rerouting(
+        self,
+        stage: int,
+        header: stage_pb2.MicrobatchHeader,
+        activation: torch.Tensor,
+        *,
+        codec: int,
+        block_size: int,
+        attempts: int,
+        deadline: float | None = None,
+        backoff_s: float = 0.0,
+        backoff_max_s: float = 5.0,
+    ) -> HopResult:
+        """Send with up to `attempts` tries, each to a replica this microbatch has not failed on.
+
+        `deadline` (time.monotonic()) bounds the whole; `backoff_s` > 0 waits
+        between rounds with exponential backoff and jitter, which also gives the
+        coordinator time to publish a plan without a vanished node. Raises the
+        last HopError when every try failed or one was final.
+        """
+        avoid: set[str] = set()
+        delay = backoff_s
+        last: HopError | None = None
+        for attempt in range(1, attempts + 1):
+            time_left = None if deadline is None else deadline - time.monotonic()
+            if time_left is not None and time_left <= 0:
+                break
+            try:
+                return await self.send(
+                    stage,
+                    header,
+                    activation,
+                    codec=codec,
+                    block_size=block_size,
+                    time_left=time_left,
+                    avoid=frozenset(avoid),
+                )
+            except HopError as exc:
+                if not exc.retryable:
+                    raise
+                last = exc
+                if exc.peer:
+                    avoid.add(exc.peer)
+                logger.debug("attempt %d for %s failed: %s", attempt, header.microbatch_id, exc)
+            if attempt < attempts and delay > 0:
+                await asyncio.sleep(delay * (0.5 + self._rng.random()))
+                delay = min(delay * 2, backoff_max_s)
+        raise last or HopError(
+            f"no time left to send {header.microbatch_id} to stage {stage}", peer=""
+        )
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -3,14 +3,17 @@
 A middle stage forwards its output to the next stage on a new call and keeps
 this one open until that call's gradient comes back, so a failure anywhere
 downstream surfaces as an error on exactly one open call: this one's caller.
-Bad input is refused with INVALID_ARGUMENT before any compute; a downstream
-failure is UNAVAILABLE so the caller knows it may resend.
+Bad input is refused with INVALID_ARGUMENT before any compute. A middle stage
+whose downstream hop fails resends once to another replica of the next stage
+(within the time its own caller allowed), then answers ABORTED: the caller
+may resend, and need not bench this node for a fault further down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -24,7 +27,7 @@ from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
-from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
+from swarmpipe.protos import stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
 
 if TYPE_CHECKING:
     from swarmpipe.node.daemon import NodeDaemon
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_SAMPLES_PER_MICROBATCH = 4096
+MIDDLE_HOP_ATTEMPTS = 2
 
 
 async def read_forward_request(
@@ -96,6 +100,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         request_iterator: AsyncIterator[stage_pb2.ReduceMessage],
         context: grpc.aio.ServicerContext,
     ) -> stage_pb2.ReduceReply:
+        if not self.daemon.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         try:
             return await self.daemon.replica_sync.receive(request_iterator)
         except (PeerError, CodecError) as exc:
@@ -129,18 +135,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 downstream.CopyFrom(header)
                 downstream.hop = d.stage + 1
                 downstream.sender_node = d.node_id
+                remaining = context.time_remaining()
                 try:
-                    hop = await d.router.send(
+                    hop = await d.router.send_rerouting(
                         d.stage + 1,
                         downstream,
                         output,
                         codec=d.activation_codec,
                         block_size=d.config.pipeline.int8_block_size,
-                        timeout=d.config.pipeline.hop_timeout_s,
+                        attempts=MIDDLE_HOP_ATTEMPTS,
+                        deadline=None if remaining is None else time.monotonic() + remaining,
                     )
                 except HopError as exc:
                     logger.debug("downstream hop of an evaluation failed: %s", exc)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    await context.abort(grpc.StatusCode.ABORTED, f"downstream: {exc}")
                     raise  # unreachable
                 result = stage_pb2.MicrobatchResult()
                 result.CopyFrom(hop.result)
@@ -148,6 +156,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         finally:
             d.in_flight -= 1
         yield stage_pb2.BackwardMessage(result=result)
+
+    async def FetchState(
+        self, request: stage_pb2.FetchStateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[state_pb2.StateMessage]:
+        async for message in self.daemon.state_transfer.serve(request, context):
+            yield message
 
     async def Forward(
         self,
@@ -158,6 +172,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         runtime = d.runtime
         if runtime is None or d.config is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still starting")
+        if not d.serving:
+            # Its parameters are not the stage's yet (it is downloading them).
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         assert runtime is not None and d.config is not None
         try:
             header, activation = await read_forward_request(request_iterator, d.stats)
@@ -207,18 +224,24 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 downstream.CopyFrom(header)
                 downstream.hop = d.stage + 1
                 downstream.sender_node = d.node_id
+                remaining = context.time_remaining()
                 try:
-                    hop = await d.router.send(
+                    # One reroute here saves the upstream sender from redoing
+                    # this stage; more would outlast the deadline it measured.
+                    hop = await d.router.send_rerouting(
                         d.stage + 1,
                         downstream,
                         output,
                         codec=d.activation_codec,
                         block_size=d.config.pipeline.int8_block_size,
-                        timeout=d.config.pipeline.hop_timeout_s,
+                        attempts=MIDDLE_HOP_ATTEMPTS,
+                        deadline=None if remaining is None else time.monotonic() + remaining,
                     )
                 except HopError as exc:
                     logger.debug("downstream hop failed: %s", exc)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    # ABORTED, not UNAVAILABLE: this node is healthy, so the
+                    # sender resends without benching it.
+                    await context.abort(grpc.StatusCode.ABORTED, f"downstream: {exc}")
                     raise  # unreachable
                 if hop.grad_input is None:
                     await context.abort(

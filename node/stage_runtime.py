@@ -23,6 +23,8 @@ import torch
 from swarmpipe.config import RunConfig
 from swarmpipe.errors import PeerError
 from swarmpipe.model import build_stage, token_loss_sum
+from swarmpipe.node.diloco import OuterOptimizer
+from swarmpipe.node.stage_state import ReceivedState, StateSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,14 @@ class StageRuntime:
         self.duplicates_skipped = 0
         self._contributed: set[str] = set()
         self._saved: dict[str, _Saved] = {}
+        p = config.pipeline
+        self.outer: OuterOptimizer | None = None
+        if p.sync == "diloco":
+            self.outer = OuterOptimizer(
+                list(self.module.parameters()),
+                lr=p.diloco_outer_lr,
+                momentum=p.diloco_outer_momentum,
+            )
 
     # -- input checks (called before any compute) ------------------------
 
@@ -176,7 +186,13 @@ class StageRuntime:
     def n_parameters(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 
-    def apply_step(self, step: int, reduced: tuple[torch.Tensor, int, int] | None = None) -> int:
+    def apply_step(
+        self,
+        step: int,
+        reduced: tuple[torch.Tensor, int, int] | None = None,
+        *,
+        advance: bool = True,
+    ) -> int:
         """Average the gradients, step AdamW, and move to step+1.
 
         `reduced` is the (flat gradient sum, tokens, samples) over every replica
@@ -184,6 +200,8 @@ class StageRuntime:
         bit-identical steps; None means this replica is the stage's only one.
         Returns the samples that contributed. Idempotent per step, so a repeated
         APPLY announcement (MQTT delivers at least once) steps only once.
+        `advance=False` (a DiLoCo round's last step) leaves the step number for
+        `outer_step` to move, so the state is never seen between the two.
         """
         if step != self.step:
             return self.samples_accumulated
@@ -203,12 +221,37 @@ class StageRuntime:
                     p.grad.mul_(scale)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.outer is not None:
+            self.outer.round_samples += samples
         self.tokens_accumulated = 0
         self.samples_accumulated = 0
         self._contributed.clear()
         self._saved.clear()
-        self.step = step + 1
+        if advance:
+            self.step = step + 1
         return samples
+
+    def outer_round_ends(self, step: int) -> bool:
+        """DiLoCo: whether the replicas average their parameters after applying `step`."""
+        h = self.config.pipeline.diloco_inner_steps
+        return self.outer is not None and (
+            (step + 1) % h == 0 or step + 1 == self.config.train.steps
+        )
+
+    def parameter_delta(self) -> tuple[torch.Tensor, int, int]:
+        """DiLoCo: this replica's scaled delta of the round, as a reduce contribution."""
+        assert self.outer is not None
+        delta, samples = self.outer.local_delta()
+        return delta, 0, samples
+
+    def outer_step(self, step: int, reduced: tuple[torch.Tensor, int, int]) -> None:
+        """DiLoCo: apply the replicas' summed scaled deltas (same on every replica).
+
+        Ends `step` (its inner step was applied with advance=False).
+        """
+        assert self.outer is not None
+        self.outer.step(reduced[0], reduced[2])
+        self.step = step + 1
 
     def parameter_digest(self) -> str:
         """A short hash of the parameters: equal on replicas that stayed in step."""
@@ -216,3 +259,28 @@ class StageRuntime:
         for p in self.module.parameters():
             h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
+
+    # -- state transfer and checkpoints (compute thread) -----------------
+
+    def export_state(self, *, node_id: str) -> StateSnapshot:
+        """Clone the stage's parameters, AdamW state and step number at this step boundary."""
+        return take_snapshot(
+            self.module,
+            self.optimizer,
+            step=self.step,
+            run_id=self.config.run_id,
+            stage=self.stage,
+            num_stages=self.num_stages,
+            node_id=node_id,
+        )
+
+    def import_state(self, state: ReceivedState, *, step: int | None = None) -> None:
+        """Replace the stage's state with a checked one; `step` overrides its step number
+        (a checkpoint from an earlier step resumes at the swarm's current step)."""
+        state.load_into(self.module, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokens_accumulated = 0
+        self.samples_accumulated = 0
+        self._contributed.clear()
+        self._saved.clear()
+        self.step = state.step if step is None else step

@@ -332,6 +332,7 @@ class Telemetry(_message.Message):
     TIMESTAMP_FIELD_NUMBER: _builtins.int
     LINK_ESTIMATES_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
+    COMPUTE_SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     samples: _builtins.int
@@ -341,6 +342,11 @@ class Telemetry(_message.Message):
     timestamp: _builtins.float
     compute_seconds_per_microbatch: _builtins.float
     """forward plus backward, smoothed; 0: not yet"""
+    compute_samples_per_second: _builtins.float
+    """Samples per second of busy compute (samples processed over the compute
+    thread's busy time): what this node could do, whatever traffic it gets.
+    The coordinator's plan weights replicas by it.
+    """
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCounter]:
         """bytes this node has sent, per peer"""
@@ -361,10 +367,11 @@ class Telemetry(_message.Message):
         timestamp: _builtins.float = ...,
         link_estimates: _abc.Iterable[Global___LinkEstimate] | None = ...,
         compute_seconds_per_microbatch: _builtins.float = ...,
+        compute_samples_per_second: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

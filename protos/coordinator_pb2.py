@@ -22,59 +22,75 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from swarmpipe.protos import control_pb2 as swarmpipe_dot_protos_dot_control__pb2
+from swarmpipe.protos import state_pb2 as swarmpipe_dot_protos_dot_state__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"swarmpipe/protos/coordinator.proto\x12\x0cswarmpipe.v1\"@\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"W\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nbroker_url\x18\x04 \x01(\t\"5\n\x0cLeaseRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xff\x01\n\nLeaseReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.swarmpipe.v1.LeaseReply.Status\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x14\n\x0csample_start\x18\x04 \x01(\x04\x12\x14\n\x0csample_count\x18\x05 \x01(\r\x12\x0e\n\x06replay\x18\x06 \x01(\x08\x12\x0c\n\x04\x65val\x18\x14 \x01(\x08\"V\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_GRANTED\x10\x01\x12\x0f\n\x0bSTATUS_WAIT\x10\x02\x12\x0f\n\x0bSTATUS_DONE\x10\x03\"T\n\rCommitRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x10\n\x08loss_sum\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"/\n\x0b\x43ommitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x0eReleaseRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0e\n\x0cReleaseReply\"i\n\x0fStepDoneRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\x12\x10\n\x08replicas\x18\x05 \x01(\r\"\x0f\n\rStepDoneReply\"\x0f\n\rStatusRequest\"|\n\x0eSampleCounters\x12\x0e\n\x06leased\x18\x01 \x01(\x04\x12\x11\n\tcommitted\x18\x02 \x01(\x04\x12\x10\n\x08replayed\x18\x03 \x01(\x04\x12\x12\n\nduplicates\x18\x04 \x01(\x04\x12\x0c\n\x04lost\x18\x05 \x01(\x04\x12\x13\n\x0boutstanding\x18\x06 \x01(\x04\"y\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x14 \x01(\x01\"K\n\nEvalRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"r\n\nLinkRecord\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x10\n\x08\x64st_node\x18\x02 \x01(\t\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0f\n\x07tensors\x18\x06 \x01(\x04\"u\n\x11\x43odecChangeRecord\x12\x11\n\ttimestamp\x18\x01 \x01(\x01\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x18\n\x10\x62ytes_per_second\x18\x04 \x01(\x01\x12\x16\n\x0e\x62udget_seconds\x18\x05 \x01(\x01\"\xd8\x01\n\x10LinkChoiceRecord\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x10\n\x08\x64st_node\x18\x02 \x01(\t\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\x18\n\x10\x62ytes_per_second\x18\x04 \x01(\x01\x12\x1e\n\x16limit_bytes_per_second\x18\x05 \x01(\x01\x12\x12\n\nwire_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x30\n\x07\x63hanges\x18\x08 \x03(\x0b\x32\x1f.swarmpipe.v1.CodecChangeRecord\"\xcb\x01\n\nNodeRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06online\x18\x04 \x01(\x08\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x11\n\tlast_step\x18\x07 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x08 \x01(\t\x12&\n\x1e\x63ompute_seconds_per_microbatch\x18\t \x01(\x01\"\xe7\x02\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12.\n\x08\x63ounters\x18\x05 \x01(\x0b\x32\x1c.swarmpipe.v1.SampleCounters\x12\'\n\x05steps\x18\x06 \x03(\x0b\x32\x18.swarmpipe.v1.StepRecord\x12\'\n\x05nodes\x18\x07 \x03(\x0b\x32\x18.swarmpipe.v1.NodeRecord\x12\'\n\x05links\x18\x08 \x03(\x0b\x32\x18.swarmpipe.v1.LinkRecord\x12\x0c\n\x04\x64one\x18\t \x01(\x08\x12\x34\n\x0clink_choices\x18\n \x03(\x0b\x32\x1e.swarmpipe.v1.LinkChoiceRecord\x12\'\n\x05\x65vals\x18\x14 \x03(\x0b\x32\x18.swarmpipe.v1.EvalRecord\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x0c\n\nDrainReply2\xd8\x03\n\x0b\x43oordinator\x12:\n\x04Join\x12\x19.swarmpipe.v1.JoinRequest\x1a\x17.swarmpipe.v1.JoinReply\x12=\n\x05Lease\x12\x1a.swarmpipe.v1.LeaseRequest\x1a\x18.swarmpipe.v1.LeaseReply\x12@\n\x06\x43ommit\x12\x1b.swarmpipe.v1.CommitRequest\x1a\x19.swarmpipe.v1.CommitReply\x12\x43\n\x07Release\x12\x1c.swarmpipe.v1.ReleaseRequest\x1a\x1a.swarmpipe.v1.ReleaseReply\x12\x46\n\x08StepDone\x12\x1d.swarmpipe.v1.StepDoneRequest\x1a\x1b.swarmpipe.v1.StepDoneReply\x12@\n\x06Status\x12\x1b.swarmpipe.v1.StatusRequest\x1a\x19.swarmpipe.v1.StatusReply\x12=\n\x05\x44rain\x12\x1a.swarmpipe.v1.DrainRequest\x1a\x18.swarmpipe.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"swarmpipe/protos/coordinator.proto\x12\x0cswarmpipe.v1\x1a\x1eswarmpipe/protos/control.proto\x1a\x1cswarmpipe/protos/state.proto\"@\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"W\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nbroker_url\x18\x04 \x01(\t\"5\n\x0cLeaseRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xff\x01\n\nLeaseReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.swarmpipe.v1.LeaseReply.Status\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x14\n\x0csample_start\x18\x04 \x01(\x04\x12\x14\n\x0csample_count\x18\x05 \x01(\r\x12\x0e\n\x06replay\x18\x06 \x01(\x08\x12\x0c\n\x04\x65val\x18\x14 \x01(\x08\"V\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_GRANTED\x10\x01\x12\x0f\n\x0bSTATUS_WAIT\x10\x02\x12\x0f\n\x0bSTATUS_DONE\x10\x03\"T\n\rCommitRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x10\n\x08loss_sum\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\"/\n\x0b\x43ommitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x0eReleaseRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0e\n\x0cReleaseReply\"i\n\x0fStepDoneRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\x12\x10\n\x08replicas\x18\x05 \x01(\r\"\x0f\n\rStepDoneReply\"\x0f\n\rStatusRequest\"|\n\x0eSampleCounters\x12\x0e\n\x06leased\x18\x01 \x01(\x04\x12\x11\n\tcommitted\x18\x02 \x01(\x04\x12\x10\n\x08replayed\x18\x03 \x01(\x04\x12\x12\n\nduplicates\x18\x04 \x01(\x04\x12\x0c\n\x04lost\x18\x05 \x01(\x04\x12\x13\n\x0boutstanding\x18\x06 \x01(\x04\"y\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x14 \x01(\x01\"K\n\nEvalRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"r\n\nLinkRecord\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x10\n\x08\x64st_node\x18\x02 \x01(\t\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0f\n\x07tensors\x18\x06 \x01(\x04\"u\n\x11\x43odecChangeRecord\x12\x11\n\ttimestamp\x18\x01 \x01(\x01\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x18\n\x10\x62ytes_per_second\x18\x04 \x01(\x01\x12\x16\n\x0e\x62udget_seconds\x18\x05 \x01(\x01\"\xd8\x01\n\x10LinkChoiceRecord\x12\x10\n\x08src_node\x18\x01 \x01(\t\x12\x10\n\x08\x64st_node\x18\x02 \x01(\t\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\x18\n\x10\x62ytes_per_second\x18\x04 \x01(\x01\x12\x1e\n\x16limit_bytes_per_second\x18\x05 \x01(\x01\x12\x12\n\nwire_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x30\n\x07\x63hanges\x18\x08 \x03(\x0b\x32\x1f.swarmpipe.v1.CodecChangeRecord\"\xdc\x01\n\nNodeRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06online\x18\x04 \x01(\x08\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x11\n\tlast_step\x18\x07 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x08 \x01(\t\x12&\n\x1e\x63ompute_seconds_per_microbatch\x18\t \x01(\x01\x12\x0f\n\x07serving\x18\n \x01(\x08\"\xe7\x02\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\r\n\x05phase\x18\x04 \x01(\t\x12.\n\x08\x63ounters\x18\x05 \x01(\x0b\x32\x1c.swarmpipe.v1.SampleCounters\x12\'\n\x05steps\x18\x06 \x03(\x0b\x32\x18.swarmpipe.v1.StepRecord\x12\'\n\x05nodes\x18\x07 \x03(\x0b\x32\x18.swarmpipe.v1.NodeRecord\x12\'\n\x05links\x18\x08 \x03(\x0b\x32\x18.swarmpipe.v1.LinkRecord\x12\x0c\n\x04\x64one\x18\t \x01(\x08\x12\x34\n\x0clink_choices\x18\n \x03(\x0b\x32\x1e.swarmpipe.v1.LinkChoiceRecord\x12\'\n\x05\x65vals\x18\x14 \x03(\x0b\x32\x18.swarmpipe.v1.EvalRecord\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x0c\n\nDrainReply\"\"\n\x0fSyncInfoRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"f\n\rSyncInfoReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08\x61pplying\x18\x02 \x01(\x08\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\'\n\x08replicas\x18\x04 \x03(\x0b\x32\x15.swarmpipe.v1.Replica\"Y\n\x0cReadyRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x03 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\"\xc8\x01\n\nReadyReply\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.swarmpipe.v1.ReadyReply.Status\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08\x61pplying\x18\x03 \x01(\x08\"i\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTATUS_ACCEPTED\x10\x01\x12\x0f\n\x0bSTATUS_WAIT\x10\x02\x12\x10\n\x0cSTATUS_STALE\x10\x03\x12\x0f\n\x0bSTATUS_DONE\x10\x04\"\'\n\x12PutCheckpointReply\x12\x11\n\tstored_as\x18\x01 \x01(\t\"6\n\x14GetCheckpointRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r2\x83\x06\n\x0b\x43oordinator\x12:\n\x04Join\x12\x19.swarmpipe.v1.JoinRequest\x1a\x17.swarmpipe.v1.JoinReply\x12=\n\x05Lease\x12\x1a.swarmpipe.v1.LeaseRequest\x1a\x18.swarmpipe.v1.LeaseReply\x12@\n\x06\x43ommit\x12\x1b.swarmpipe.v1.CommitRequest\x1a\x19.swarmpipe.v1.CommitReply\x12\x43\n\x07Release\x12\x1c.swarmpipe.v1.ReleaseRequest\x1a\x1a.swarmpipe.v1.ReleaseReply\x12\x46\n\x08StepDone\x12\x1d.swarmpipe.v1.StepDoneRequest\x1a\x1b.swarmpipe.v1.StepDoneReply\x12@\n\x06Status\x12\x1b.swarmpipe.v1.StatusRequest\x1a\x19.swarmpipe.v1.StatusReply\x12=\n\x05\x44rain\x12\x1a.swarmpipe.v1.DrainRequest\x1a\x18.swarmpipe.v1.DrainReply\x12\x46\n\x08SyncInfo\x12\x1d.swarmpipe.v1.SyncInfoRequest\x1a\x1b.swarmpipe.v1.SyncInfoReply\x12=\n\x05Ready\x12\x1a.swarmpipe.v1.ReadyRequest\x1a\x18.swarmpipe.v1.ReadyReply\x12O\n\rPutCheckpoint\x12\x1a.swarmpipe.v1.StateMessage\x1a .swarmpipe.v1.PutCheckpointReply(\x01\x12Q\n\rGetCheckpoint\x12\".swarmpipe.v1.GetCheckpointRequest\x1a\x1a.swarmpipe.v1.StateMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmpipe.protos.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOINREQUEST']._serialized_start=52
-  _globals['_JOINREQUEST']._serialized_end=116
-  _globals['_JOINREPLY']._serialized_start=118
-  _globals['_JOINREPLY']._serialized_end=205
-  _globals['_LEASEREQUEST']._serialized_start=207
-  _globals['_LEASEREQUEST']._serialized_end=260
-  _globals['_LEASEREPLY']._serialized_start=263
-  _globals['_LEASEREPLY']._serialized_end=518
-  _globals['_LEASEREPLY_STATUS']._serialized_start=432
-  _globals['_LEASEREPLY_STATUS']._serialized_end=518
-  _globals['_COMMITREQUEST']._serialized_start=520
-  _globals['_COMMITREQUEST']._serialized_end=604
-  _globals['_COMMITREPLY']._serialized_start=606
-  _globals['_COMMITREPLY']._serialized_end=653
-  _globals['_RELEASEREQUEST']._serialized_start=655
-  _globals['_RELEASEREQUEST']._serialized_end=722
-  _globals['_RELEASEREPLY']._serialized_start=724
-  _globals['_RELEASEREPLY']._serialized_end=738
-  _globals['_STEPDONEREQUEST']._serialized_start=740
-  _globals['_STEPDONEREQUEST']._serialized_end=845
-  _globals['_STEPDONEREPLY']._serialized_start=847
-  _globals['_STEPDONEREPLY']._serialized_end=862
-  _globals['_STATUSREQUEST']._serialized_start=864
-  _globals['_STATUSREQUEST']._serialized_end=879
-  _globals['_SAMPLECOUNTERS']._serialized_start=881
-  _globals['_SAMPLECOUNTERS']._serialized_end=1005
-  _globals['_STEPRECORD']._serialized_start=1007
-  _globals['_STEPRECORD']._serialized_end=1128
-  _globals['_EVALRECORD']._serialized_start=1130
-  _globals['_EVALRECORD']._serialized_end=1205
-  _globals['_LINKRECORD']._serialized_start=1207
-  _globals['_LINKRECORD']._serialized_end=1321
-  _globals['_CODECCHANGERECORD']._serialized_start=1323
-  _globals['_CODECCHANGERECORD']._serialized_end=1440
-  _globals['_LINKCHOICERECORD']._serialized_start=1443
-  _globals['_LINKCHOICERECORD']._serialized_end=1659
-  _globals['_NODERECORD']._serialized_start=1662
-  _globals['_NODERECORD']._serialized_end=1865
-  _globals['_STATUSREPLY']._serialized_start=1868
-  _globals['_STATUSREPLY']._serialized_end=2227
-  _globals['_DRAINREQUEST']._serialized_start=2229
-  _globals['_DRAINREQUEST']._serialized_end=2260
-  _globals['_DRAINREPLY']._serialized_start=2262
-  _globals['_DRAINREPLY']._serialized_end=2274
-  _globals['_COORDINATOR']._serialized_start=2277
-  _globals['_COORDINATOR']._serialized_end=2749
+  _globals['_JOINREQUEST']._serialized_start=114
+  _globals['_JOINREQUEST']._serialized_end=178
+  _globals['_JOINREPLY']._serialized_start=180
+  _globals['_JOINREPLY']._serialized_end=267
+  _globals['_LEASEREQUEST']._serialized_start=269
+  _globals['_LEASEREQUEST']._serialized_end=322
+  _globals['_LEASEREPLY']._serialized_start=325
+  _globals['_LEASEREPLY']._serialized_end=580
+  _globals['_LEASEREPLY_STATUS']._serialized_start=494
+  _globals['_LEASEREPLY_STATUS']._serialized_end=580
+  _globals['_COMMITREQUEST']._serialized_start=582
+  _globals['_COMMITREQUEST']._serialized_end=666
+  _globals['_COMMITREPLY']._serialized_start=668
+  _globals['_COMMITREPLY']._serialized_end=715
+  _globals['_RELEASEREQUEST']._serialized_start=717
+  _globals['_RELEASEREQUEST']._serialized_end=784
+  _globals['_RELEASEREPLY']._serialized_start=786
+  _globals['_RELEASEREPLY']._serialized_end=800
+  _globals['_STEPDONEREQUEST']._serialized_start=802
+  _globals['_STEPDONEREQUEST']._serialized_end=907
+  _globals['_STEPDONEREPLY']._serialized_start=909
+  _globals['_STEPDONEREPLY']._serialized_end=924
+  _globals['_STATUSREQUEST']._serialized_start=926
+  _globals['_STATUSREQUEST']._serialized_end=941
+  _globals['_SAMPLECOUNTERS']._serialized_start=943
+  _globals['_SAMPLECOUNTERS']._serialized_end=1067
+  _globals['_STEPRECORD']._serialized_start=1069
+  _globals['_STEPRECORD']._serialized_end=1190
+  _globals['_EVALRECORD']._serialized_start=1192
+  _globals['_EVALRECORD']._serialized_end=1267
+  _globals['_LINKRECORD']._serialized_start=1269
+  _globals['_LINKRECORD']._serialized_end=1383
+  _globals['_CODECCHANGERECORD']._serialized_start=1385
+  _globals['_CODECCHANGERECORD']._serialized_end=1502
+  _globals['_LINKCHOICERECORD']._serialized_start=1505
+  _globals['_LINKCHOICERECORD']._serialized_end=1721
+  _globals['_NODERECORD']._serialized_start=1724
+  _globals['_NODERECORD']._serialized_end=1944
+  _globals['_STATUSREPLY']._serialized_start=1947
+  _globals['_STATUSREPLY']._serialized_end=2306
+  _globals['_DRAINREQUEST']._serialized_start=2308
+  _globals['_DRAINREQUEST']._serialized_end=2339
+  _globals['_DRAINREPLY']._serialized_start=2341
+  _globals['_DRAINREPLY']._serialized_end=2353
+  _globals['_SYNCINFOREQUEST']._serialized_start=2355
+  _globals['_SYNCINFOREQUEST']._serialized_end=2389
+  _globals['_SYNCINFOREPLY']._serialized_start=2391
+  _globals['_SYNCINFOREPLY']._serialized_end=2493
+  _globals['_READYREQUEST']._serialized_start=2495
+  _globals['_READYREQUEST']._serialized_end=2584
+  _globals['_READYREPLY']._serialized_start=2587
+  _globals['_READYREPLY']._serialized_end=2787
+  _globals['_READYREPLY_STATUS']._serialized_start=2682
+  _globals['_READYREPLY_STATUS']._serialized_end=2787
+  _globals['_PUTCHECKPOINTREPLY']._serialized_start=2789
+  _globals['_PUTCHECKPOINTREPLY']._serialized_end=2828
+  _globals['_GETCHECKPOINTREQUEST']._serialized_start=2830
+  _globals['_GETCHECKPOINTREQUEST']._serialized_end=2884
+  _globals['_COORDINATOR']._serialized_start=2887
+  _globals['_COORDINATOR']._serialized_end=3658
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from swarmpipe.protos import control_pb2 as _control_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -550,6 +551,7 @@ class NodeRecord(_message.Message):
     LAST_STEP_FIELD_NUMBER: _builtins.int
     PARAM_DIGEST_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     address: _builtins.str
@@ -562,6 +564,8 @@ class NodeRecord(_message.Message):
     """its parameters' hash after that step"""
     compute_seconds_per_microbatch: _builtins.float
     """forward plus backward; 0: not measured yet"""
+    serving: _builtins.bool
+    """in the plan; false while it still downloads its stage's state"""
     def __init__(
         self,
         *,
@@ -574,10 +578,11 @@ class NodeRecord(_message.Message):
         last_step: _builtins.int = ...,
         param_digest: _builtins.str = ...,
         compute_seconds_per_microbatch: _builtins.float = ...,
+        serving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "serving", b"serving", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -671,3 +676,185 @@ class DrainReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainReply: _TypeAlias = DrainReply  # noqa: Y015
+
+@_typing.final
+class SyncInfoRequest(_message.Message):
+    """A joining node asks where the run stands and whom it can copy its stage from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SyncInfoRequest: _TypeAlias = SyncInfoRequest  # noqa: Y015
+
+@_typing.final
+class SyncInfoReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    APPLYING_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """the coordinator's current step"""
+    applying: _builtins.bool
+    """`step` is being applied: a joiner must hold step + 1"""
+    done: _builtins.bool
+    """the run has finished"""
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[_control_pb2.Replica]:
+        """serving replicas of the node's stage"""
+
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        applying: _builtins.bool = ...,
+        done: _builtins.bool = ...,
+        replicas: _abc.Iterable[_control_pb2.Replica] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applying", b"applying", "done", b"done", "replicas", b"replicas", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SyncInfoReply: _TypeAlias = SyncInfoReply  # noqa: Y015
+
+@_typing.final
+class ReadyRequest(_message.Message):
+    """A node holds its stage's state for `step` and asks to serve. Accepted only
+    while `step` is the step being trained (or the one about to open); the
+    coordinator holds the call up to wait_seconds until it can answer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    PARAM_DIGEST_FIELD_NUMBER: _builtins.int
+    WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    step: _builtins.int
+    param_digest: _builtins.str
+    wait_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        param_digest: _builtins.str = ...,
+        wait_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "param_digest", b"param_digest", "step", b"step", "wait_seconds", b"wait_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadyRequest: _TypeAlias = ReadyRequest  # noqa: Y015
+
+@_typing.final
+class ReadyReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Status:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _StatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ReadyReply._Status.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        STATUS_UNSPECIFIED: ReadyReply._Status.ValueType  # 0
+        STATUS_ACCEPTED: ReadyReply._Status.ValueType  # 1
+        """the node is in the plan from `step` on"""
+        STATUS_WAIT: ReadyReply._Status.ValueType  # 2
+        """ask again with the same state"""
+        STATUS_STALE: ReadyReply._Status.ValueType  # 3
+        """the swarm moved past the state: fetch again"""
+        STATUS_DONE: ReadyReply._Status.ValueType  # 4
+        """the run has finished"""
+
+    class Status(_Status, metaclass=_StatusEnumTypeWrapper): ...
+    STATUS_UNSPECIFIED: ReadyReply.Status.ValueType  # 0
+    STATUS_ACCEPTED: ReadyReply.Status.ValueType  # 1
+    """the node is in the plan from `step` on"""
+    STATUS_WAIT: ReadyReply.Status.ValueType  # 2
+    """ask again with the same state"""
+    STATUS_STALE: ReadyReply.Status.ValueType  # 3
+    """the swarm moved past the state: fetch again"""
+    STATUS_DONE: ReadyReply.Status.ValueType  # 4
+    """the run has finished"""
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    APPLYING_FIELD_NUMBER: _builtins.int
+    status: Global___ReadyReply.Status.ValueType
+    step: _builtins.int
+    """the coordinator's current step"""
+    applying: _builtins.bool
+    def __init__(
+        self,
+        *,
+        status: Global___ReadyReply.Status.ValueType = ...,
+        step: _builtins.int = ...,
+        applying: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applying", b"applying", "status", b"status", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadyReply: _TypeAlias = ReadyReply  # noqa: Y015
+
+@_typing.final
+class PutCheckpointReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_AS_FIELD_NUMBER: _builtins.int
+    stored_as: _builtins.str
+    def __init__(
+        self,
+        *,
+        stored_as: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stored_as", b"stored_as"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutCheckpointReply: _TypeAlias = PutCheckpointReply  # noqa: Y015
+
+@_typing.final
+class GetCheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    stage: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        stage: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCheckpointRequest: _TypeAlias = GetCheckpointRequest  # noqa: Y015

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from swarmpipe.protos import coordinator_pb2 as swarmpipe_dot_protos_dot_coordinator__pb2
+from swarmpipe.protos import state_pb2 as swarmpipe_dot_protos_dot_state__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -69,6 +70,26 @@ class CoordinatorStub:
                 request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.DrainRequest.SerializeToString,
                 response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.SyncInfo = channel.unary_unary(
+                '/swarmpipe.v1.Coordinator/SyncInfo',
+                request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.SyncInfoRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.SyncInfoReply.FromString,
+                _registered_method=True)
+        self.Ready = channel.unary_unary(
+                '/swarmpipe.v1.Coordinator/Ready',
+                request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.ReadyRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.ReadyReply.FromString,
+                _registered_method=True)
+        self.PutCheckpoint = channel.stream_unary(
+                '/swarmpipe.v1.Coordinator/PutCheckpoint',
+                request_serializer=swarmpipe_dot_protos_dot_state__pb2.StateMessage.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.PutCheckpointReply.FromString,
+                _registered_method=True)
+        self.GetCheckpoint = channel.unary_stream(
+                '/swarmpipe.v1.Coordinator/GetCheckpoint',
+                request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_state__pb2.StateMessage.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -116,6 +137,33 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SyncInfo(self, request, context):
+        """Joining a running stage: where to copy state from, then "I hold step N".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ready(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutCheckpoint(self, request_iterator, context):
+        """The checkpoint store on the coordinator's disk: a state stream in, the
+        latest one of a stage out (NOT_FOUND when the stage has none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +201,26 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.DrainRequest.FromString,
                     response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.DrainReply.SerializeToString,
+            ),
+            'SyncInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncInfo,
+                    request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.SyncInfoRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.SyncInfoReply.SerializeToString,
+            ),
+            'Ready': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ready,
+                    request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.ReadyRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.ReadyReply.SerializeToString,
+            ),
+            'PutCheckpoint': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutCheckpoint,
+                    request_deserializer=swarmpipe_dot_protos_dot_state__pb2.StateMessage.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.PutCheckpointReply.SerializeToString,
+            ),
+            'GetCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetCheckpoint,
+                    request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_state__pb2.StateMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +412,114 @@ class Coordinator:
             '/swarmpipe.v1.Coordinator/Drain',
             swarmpipe_dot_protos_dot_coordinator__pb2.DrainRequest.SerializeToString,
             swarmpipe_dot_protos_dot_coordinator__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.v1.Coordinator/SyncInfo',
+            swarmpipe_dot_protos_dot_coordinator__pb2.SyncInfoRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_coordinator__pb2.SyncInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ready(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.v1.Coordinator/Ready',
+            swarmpipe_dot_protos_dot_coordinator__pb2.ReadyRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_coordinator__pb2.ReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutCheckpoint(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/swarmpipe.v1.Coordinator/PutCheckpoint',
+            swarmpipe_dot_protos_dot_state__pb2.StateMessage.SerializeToString,
+            swarmpipe_dot_protos_dot_coordinator__pb2.PutCheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarmpipe.v1.Coordinator/GetCheckpoint',
+            swarmpipe_dot_protos_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_state__pb2.StateMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@ Control plane, request/response part: node or CLI -> coordinator."""
 from collections import abc as _abc
 from grpc import aio as _aio
 from swarmpipe.protos import coordinator_pb2 as _coordinator_pb2
+from swarmpipe.protos import state_pb2 as _state_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -38,6 +39,14 @@ class CoordinatorStub:
     StepDone: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StepDoneRequest, _coordinator_pb2.StepDoneReply]
     Status: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusReply]
     Drain: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainReply]
+    SyncInfo: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SyncInfoRequest, _coordinator_pb2.SyncInfoReply]
+    """Joining a running stage: where to copy state from, then "I hold step N"."""
+    Ready: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReadyRequest, _coordinator_pb2.ReadyReply]
+    PutCheckpoint: _grpc.StreamUnaryMultiCallable[_state_pb2.StateMessage, _coordinator_pb2.PutCheckpointReply]
+    """The checkpoint store on the coordinator's disk: a state stream in, the
+    latest one of a stage out (NOT_FOUND when the stage has none).
+    """
+    GetCheckpoint: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.GetCheckpointRequest, _state_pb2.StateMessage]
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -49,6 +58,14 @@ class CoordinatorAsyncStub(CoordinatorStub):
     StepDone: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StepDoneRequest, _coordinator_pb2.StepDoneReply]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusReply]  # type: ignore[assignment]
     Drain: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainReply]  # type: ignore[assignment]
+    SyncInfo: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SyncInfoRequest, _coordinator_pb2.SyncInfoReply]  # type: ignore[assignment]
+    """Joining a running stage: where to copy state from, then "I hold step N"."""
+    Ready: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReadyRequest, _coordinator_pb2.ReadyReply]  # type: ignore[assignment]
+    PutCheckpoint: _aio.StreamUnaryMultiCallable[_state_pb2.StateMessage, _coordinator_pb2.PutCheckpointReply]  # type: ignore[assignment]
+    """The checkpoint store on the coordinator's disk: a state stream in, the
+    latest one of a stage out (NOT_FOUND when the stage has none).
+    """
+    GetCheckpoint: _aio.UnaryStreamMultiCallable[_coordinator_pb2.GetCheckpointRequest, _state_pb2.StateMessage]  # type: ignore[assignment]
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -99,5 +116,37 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.DrainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.DrainReply, _abc.Awaitable[_coordinator_pb2.DrainReply]]: ...
+
+    @_abc_1.abstractmethod
+    def SyncInfo(
+        self,
+        request: _coordinator_pb2.SyncInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.SyncInfoReply, _abc.Awaitable[_coordinator_pb2.SyncInfoReply]]:
+        """Joining a running stage: where to copy state from, then "I hold step N"."""
+
+    @_abc_1.abstractmethod
+    def Ready(
+        self,
+        request: _coordinator_pb2.ReadyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReadyReply, _abc.Awaitable[_coordinator_pb2.ReadyReply]]: ...
+
+    @_abc_1.abstractmethod
+    def PutCheckpoint(
+        self,
+        request_iterator: _MaybeAsyncIterator[_state_pb2.StateMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.PutCheckpointReply, _abc.Awaitable[_coordinator_pb2.PutCheckpointReply]]:
+        """The checkpoint store on the coordinator's disk: a state stream in, the
+        latest one of a stage out (NOT_FOUND when the stage has none).
+        """
+
+    @_abc_1.abstractmethod
+    def GetCheckpoint(
+        self,
+        request: _coordinator_pb2.GetCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_state_pb2.StateMessage], _abc.AsyncIterator[_state_pb2.StateMessage]]: ...
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,8 +3,10 @@
 isort:skip_file
 Data plane: node to node."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from swarmpipe.protos import tensor_pb2 as _tensor_pb2
 import builtins as _builtins
 import sys
@@ -189,11 +191,16 @@ class ReduceHeader(_message.Message):
     SENDER_NODE_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    PARAMETER_DELTA_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     sender_node: _builtins.str
     tokens: _builtins.int
     """tokens the gradient sum came from"""
     samples: _builtins.int
+    parameter_delta: _builtins.bool
+    """DiLoCo mode: the tensor is the sender's parameter delta over the outer
+    round that ends at `step`, scaled by `samples`, not a gradient sum.
+    """
     def __init__(
         self,
         *,
@@ -201,40 +208,83 @@ class ReduceHeader(_message.Message):
         sender_node: _builtins.str = ...,
         tokens: _builtins.int = ...,
         samples: _builtins.int = ...,
+        parameter_delta: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples", "sender_node", b"sender_node", "step", b"step", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["parameter_delta", b"parameter_delta", "samples", b"samples", "sender_node", b"sender_node", "step", b"step", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReduceHeader: _TypeAlias = ReduceHeader  # noqa: Y015
 
 @_typing.final
+class ReduceManifest(_message.Message):
+    """The second round of a reduce: the contributions the sender holds (its own
+    included). Each replica applies only contributions that every manifest it
+    got lists, so a replica whose sends failed cannot drift from the others.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    SENDER_NODE_FIELD_NUMBER: _builtins.int
+    RECEIVED_FIELD_NUMBER: _builtins.int
+    PARAMETER_DELTA_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    sender_node: _builtins.str
+    parameter_delta: _builtins.bool
+    @_builtins.property
+    def received(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        sender_node: _builtins.str = ...,
+        received: _abc.Iterable[_builtins.str] | None = ...,
+        parameter_delta: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["parameter_delta", b"parameter_delta", "received", b"received", "sender_node", b"sender_node", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReduceManifest: _TypeAlias = ReduceManifest  # noqa: Y015
+
+@_typing.final
 class ReduceMessage(_message.Message):
+    """A reduce call is either a contribution (header, tensor header, chunks) or
+    a single manifest.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     TENSOR_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___ReduceHeader: ...
     @_builtins.property
     def tensor(self) -> _tensor_pb2.TensorHeader: ...
     @_builtins.property
     def chunk(self) -> _tensor_pb2.TensorChunk: ...
+    @_builtins.property
+    def manifest(self) -> Global___ReduceManifest: ...
     def __init__(
         self,
         *,
         header: Global___ReduceHeader | None = ...,
         tensor: _tensor_pb2.TensorHeader | None = ...,
         chunk: _tensor_pb2.TensorChunk | None = ...,
+        manifest: Global___ReduceManifest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind", "tensor", b"tensor"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind", "manifest", b"manifest", "tensor", b"tensor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind", "tensor", b"tensor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind", "manifest", b"manifest", "tensor", b"tensor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "tensor", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "tensor", "chunk", "manifest"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -300,3 +350,33 @@ class StageInfoReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StageInfoReply: _TypeAlias = StageInfoReply  # noqa: Y015
+
+@_typing.final
+class FetchStateRequest(_message.Message):
+    """A joining node asks a live replica of its stage for the stage's state at a
+    step boundary; the replica answers from a snapshot taken between two
+    compute jobs once it has reached min_step (waiting a bounded time for it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    MIN_STEP_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    stage: _builtins.int
+    min_step: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        stage: _builtins.int = ...,
+        min_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_step", b"min_step", "node_id", b"node_id", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchStateRequest: _TypeAlias = FetchStateRequest  # noqa: Y015

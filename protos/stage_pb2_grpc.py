@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from swarmpipe.protos import stage_pb2 as swarmpipe_dot_protos_dot_stage__pb2
+from swarmpipe.protos import state_pb2 as swarmpipe_dot_protos_dot_state__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,11 @@ class StageStub:
                 request_serializer=swarmpipe_dot_protos_dot_stage__pb2.StageInfoRequest.SerializeToString,
                 response_deserializer=swarmpipe_dot_protos_dot_stage__pb2.StageInfoReply.FromString,
                 _registered_method=True)
+        self.FetchState = channel.unary_stream(
+                '/swarmpipe.v1.Stage/FetchState',
+                request_serializer=swarmpipe_dot_protos_dot_stage__pb2.FetchStateRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_state__pb2.StateMessage.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -75,6 +81,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchState(self, request, context):
+        """The stage's state for a joining replica: a manifest, then its chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=swarmpipe_dot_protos_dot_stage__pb2.StageInfoRequest.FromString,
                     response_serializer=swarmpipe_dot_protos_dot_stage__pb2.StageInfoReply.SerializeToString,
+            ),
+            'FetchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchState,
+                    request_deserializer=swarmpipe_dot_protos_dot_stage__pb2.FetchStateRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_state__pb2.StateMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class Stage:
             '/swarmpipe.v1.Stage/Info',
             swarmpipe_dot_protos_dot_stage__pb2.StageInfoRequest.SerializeToString,
             swarmpipe_dot_protos_dot_stage__pb2.StageInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarmpipe.v1.Stage/FetchState',
+            swarmpipe_dot_protos_dot_stage__pb2.FetchStateRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_state__pb2.StateMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@ Data plane: node to node."""
 from collections import abc as _abc
 from grpc import aio as _aio
 from swarmpipe.protos import stage_pb2 as _stage_pb2
+from swarmpipe.protos import state_pb2 as _state_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -38,6 +39,8 @@ class StageStub:
     Reduce: _grpc.StreamUnaryMultiCallable[_stage_pb2.ReduceMessage, _stage_pb2.ReduceReply]
     """Replicas of a stage exchange their gradient sums at the end of each step."""
     Info: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StageInfoRequest, _stage_pb2.StageInfoReply]
+    FetchState: _grpc.UnaryStreamMultiCallable[_stage_pb2.FetchStateRequest, _state_pb2.StateMessage]
+    """The stage's state for a joining replica: a manifest, then its chunks."""
 
 @_typing.type_check_only
 class StageAsyncStub(StageStub):
@@ -49,6 +52,8 @@ class StageAsyncStub(StageStub):
     Reduce: _aio.StreamUnaryMultiCallable[_stage_pb2.ReduceMessage, _stage_pb2.ReduceReply]  # type: ignore[assignment]
     """Replicas of a stage exchange their gradient sums at the end of each step."""
     Info: _aio.UnaryUnaryMultiCallable[_stage_pb2.StageInfoRequest, _stage_pb2.StageInfoReply]  # type: ignore[assignment]
+    FetchState: _aio.UnaryStreamMultiCallable[_stage_pb2.FetchStateRequest, _state_pb2.StateMessage]  # type: ignore[assignment]
+    """The stage's state for a joining replica: a manifest, then its chunks."""
 
 class StageServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -75,5 +80,13 @@ class StageServicer(metaclass=_abc_1.ABCMeta):
         request: _stage_pb2.StageInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.StageInfoReply, _abc.Awaitable[_stage_pb2.StageInfoReply]]: ...
+
+    @_abc_1.abstractmethod
+    def FetchState(
+        self,
+        request: _stage_pb2.FetchStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_state_pb2.StateMessage], _abc.AsyncIterator[_state_pb2.StateMessage]]:
+        """The stage's state for a joining replica: a manifest, then its chunks."""
 
 def add_StageServicer_to_server(servicer: StageServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

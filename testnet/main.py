@@ -3,7 +3,9 @@
 Starts a coordinator (with its embedded broker, or --broker) and N node
 daemons on 127.0.0.1 ephemeral ports, shows step, loss, samples/s and bytes/s
 while they train, then writes report.json into the output folder and prints
-its path. Ctrl-C, or any child crashing, stops every process it started.
+its path. Ctrl-C, or any child crashing, stops every process it started; a
+node killed by the churn scenario (--churn, --churn-random, see churn.py) is
+not a crash.
 
 Exit codes: 0 when the run finished and wrote its report, 1 when a child
 crashed or the run stalled, 2 for bad arguments or config, 130 on Ctrl-C.
@@ -29,11 +31,13 @@ from swarmpipe.errors import ConfigError, SwarmpipeError
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.ready import wait_ready_file
 from swarmpipe.rpc import open_channel
-from swarmpipe.testnet.processes import ProcessGroup
+from swarmpipe.testnet.churn import ChurnPlan, ChurnRecord, parse_schedule
+from swarmpipe.testnet.processes import Child, ProcessGroup
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
+POLL_S = 0.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +59,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-mbit",
         type=float,
         help="limit every link to this many Mbit/s in each direction (pipeline.link_mbit)",
+    )
+    parser.add_argument(
+        "--churn",
+        default="",
+        metavar="SCHEDULE",
+        help="SIGKILL and start nodes on a schedule, e.g. 'kill n1@8s, start n1@step12' "
+        "(seconds since training began, or steps finished)",
+    )
+    parser.add_argument(
+        "--churn-random",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="also SIGKILL a random replica (whose stage keeps another) RATE times per minute, "
+        "restarting it after --churn-downtime",
+    )
+    parser.add_argument("--churn-seed", type=int, default=0, help="seed of --churn-random")
+    parser.add_argument(
+        "--churn-downtime", type=float, default=5.0, help="seconds a random victim stays dead"
     )
 
 
@@ -81,9 +104,15 @@ async def serve(args: argparse.Namespace) -> int:
             f"--nodes {args.nodes} cannot cover {config.pipeline.stages} stages; "
             "give at least one node per stage"
         )
+    churn = ChurnPlan(
+        parse_schedule(args.churn),
+        random_rate_per_min=args.churn_random,
+        seed=args.churn_seed,
+        downtime_s=args.churn_downtime,
+    )
     out = Path(args.out or Path("testnet-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runner = Testnet(config, args, overrides, out)
+    runner = Testnet(config, args, overrides, out, churn)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
@@ -104,17 +133,46 @@ async def serve(args: argparse.Namespace) -> int:
 
 class Testnet:
     def __init__(
-        self, config: RunConfig, args: argparse.Namespace, overrides: list[str], out: Path
+        self,
+        config: RunConfig,
+        args: argparse.Namespace,
+        overrides: list[str],
+        out: Path,
+        churn: ChurnPlan | None = None,
     ) -> None:
         self.config = config
         self.args = args
         self.overrides = overrides
         self.out = out
         self.group = ProcessGroup(out)
+        self.churn = churn or ChurnPlan([])
+        self.churn_records: list[ChurnRecord] = []
+        self.target = ""
+        self.training_since: float | None = None
+        self.step_seen_at: list[float] = []
+
+    def _node_args(self, name: str) -> list[str]:
+        node_args = [
+            "--log-level",
+            "INFO",
+            "node",
+            "--coordinator",
+            self.target,
+            "--node-id",
+            name,
+            "--listen",
+            "127.0.0.1:0",
+            "--threads",
+            str(self.args.threads),
+        ]
+        if self.args.broker:
+            node_args += ["--broker", self.args.broker]
+        return node_args
 
     def _start_children(self) -> str:
         common = ["--log-level", "INFO"]
         coord_args = [*common, "coordinator", "--listen", "127.0.0.1:0"]
+        coord_args += ["--state-dir", str(self.out / "coordinator-state")]
         if self.args.config:
             coord_args += ["--config", str(Path(self.args.config).resolve())]
         for item in [f"coordinator.min_nodes={self.args.nodes}", *self.overrides]:
@@ -123,24 +181,10 @@ class Testnet:
             coord_args += ["--broker", self.args.broker]
         coordinator = self.group.start("coordinator", coord_args)
         ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
-        target = f"127.0.0.1:{ready['grpc_port']}"
+        self.target = f"127.0.0.1:{ready['grpc_port']}"
         for i in range(self.args.nodes):
-            node_args = [
-                *common,
-                "node",
-                "--coordinator",
-                target,
-                "--node-id",
-                f"n{i}",
-                "--listen",
-                "127.0.0.1:0",
-                "--threads",
-                str(self.args.threads),
-            ]
-            if self.args.broker:
-                node_args += ["--broker", self.args.broker]
-            self.group.start(f"n{i}", node_args)
-        return target
+            self.group.start(f"n{i}", self._node_args(f"n{i}"))
+        return self.target
 
     async def run(self) -> dict[str, Any]:
         started = time.time()
@@ -158,7 +202,7 @@ class Testnet:
         finally:
             await channel.close()
         wall = time.monotonic() - t0
-        return build_report(
+        report = build_report(
             self.config,
             status,
             started=started,
@@ -166,6 +210,65 @@ class Testnet:
             nodes=self.args.nodes,
             logs=str(self.out / "logs"),
         )
+        # When each step was seen finished, in seconds since training began
+        # (to the 0.25 s poll), so samples/s can be lined up with churn events.
+        for record, seen in zip(report["steps"], self.step_seen_at, strict=False):
+            record["seen_at_seconds"] = seen
+        report["churn"] = [r.as_dict() for r in self.churn_records]
+        report["churn_not_reached"] = [f"{e.action} {e.node}@{e.when}" for e in self.churn.pending]
+        return report
+
+    def _churn(self, status: coordinator_pb2.StatusReply, now: float) -> None:
+        """Perform the churn events due now and record them."""
+        if self.training_since is None:
+            if status.phase == "waiting" and not status.steps:
+                return
+            self.training_since = now
+        elapsed = now - self.training_since
+        steps = len(status.steps)
+        stages = {n.node_id: n.stage for n in status.nodes}
+        for event in self.churn.due(elapsed, steps):
+            self._perform(
+                event.action, event.node, event.when, elapsed=elapsed, steps=steps, stages=stages
+            )
+        online: dict[int, list[str]] = {}
+        for n in status.nodes:
+            child = self.group.latest(n.node_id)
+            if n.online and child is not None and child.alive():
+                online.setdefault(n.stage, []).append(n.node_id)
+        eligible = [node for nodes in online.values() if len(nodes) > 1 for node in nodes]
+        victim = self.churn.random_victim(elapsed, eligible)
+        if victim == "":
+            self.churn_records.append(
+                ChurnRecord("kill", "", "random", elapsed, steps, -1, "skipped: no stage has 2")
+            )
+        elif victim is not None:
+            self._perform("kill", victim, "random", elapsed=elapsed, steps=steps, stages=stages)
+
+    def _perform(
+        self,
+        action: str,
+        node: str,
+        planned: str,
+        *,
+        elapsed: float,
+        steps: int,
+        stages: dict[str, int],
+    ) -> None:
+        child: Child | None = self.group.latest(node)
+        if action == "kill":
+            killed = child is not None and self.group.kill_on_purpose(child)
+            outcome = "killed" if killed else "not running"
+        elif child is not None and child.alive():
+            outcome = "already running"
+        else:
+            self.group.start(node, self._node_args(node))
+            outcome = "started"
+        record = ChurnRecord(action, node, planned, elapsed, steps, stages.get(node, -1), outcome)
+        self.churn_records.append(record)
+        logger.info("churn: %s %s at %.1f s (step %d): %s", action, node, elapsed, steps, outcome)
+        if not self.args.quiet:
+            print(f"churn: {action} {node} at {elapsed:.1f} s, step {steps}: {outcome}", flush=True)
 
     async def _follow(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> Any:
         last_step_count, last_progress = -1, time.monotonic()
@@ -187,6 +290,10 @@ class Testnet:
                     f"the coordinator stopped answering: {exc.code().name}"
                 ) from exc
             now = time.monotonic()
+            self._churn(status, now)
+            if self.training_since is not None:
+                while len(self.step_seen_at) < len(status.steps):
+                    self.step_seen_at.append(now - self.training_since)
             if len(status.steps) != last_step_count:
                 last_step_count, last_progress = len(status.steps), now
             elif now - last_progress > self.args.stall_timeout:
@@ -207,7 +314,7 @@ class Testnet:
                 if tty:
                     print()
                 return status
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(POLL_S)
 
 
 def progress_line(status: coordinator_pb2.StatusReply, bytes_per_second: float) -> str:
@@ -331,6 +438,7 @@ def build_report(
                 "last_step": n.last_step,
                 "param_digest": n.param_digest,
                 "samples": n.samples,
+                "serving": n.serving,
             }
             for n in status.nodes
         ],

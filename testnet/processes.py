@@ -37,6 +37,8 @@ class Child:
     log_path: Path
     ready_file: Path
     started_at: float = field(default_factory=time.monotonic)
+    killed_on_purpose: bool = False
+    """A churn scenario SIGKILLed it: its exit is planned, not a crash."""
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -77,8 +79,25 @@ class ProcessGroup:
         return child
 
     def crashed(self) -> list[Child]:
-        """Children that exited with a non-zero code."""
-        return [c for c in self.children if c.popen.poll() not in (None, 0)]
+        """Children that exited with a non-zero code, other than those killed on purpose."""
+        return [
+            c for c in self.children if c.popen.poll() not in (None, 0) and not c.killed_on_purpose
+        ]
+
+    def latest(self, name: str) -> Child | None:
+        """The most recently started child of that name (a restarted node has several)."""
+        for child in reversed(self.children):
+            if child.name == name:
+                return child
+        return None
+
+    def kill_on_purpose(self, child: Child) -> bool:
+        """SIGKILL a child's whole process group as planned churn; False if it was not running."""
+        if not child.alive():
+            return False
+        child.killed_on_purpose = True
+        self.kill(child)
+        return True
 
     def stop(self, child: Child, grace: float = 10.0) -> int | None:
         if child.alive():

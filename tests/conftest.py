@@ -37,7 +37,7 @@ class Procs:
         self.children: list[tuple[subprocess.Popen[bytes], Path]] = []
 
     def start(
-        self, name: str, *args: str, ready: bool = True
+        self, name: str, *args: str, ready: bool = True, env: dict[str, str] | None = None
     ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
         log = self.tmp / f"{name}.log"
         ready_file = self.tmp / f"{name}.ready.json"
@@ -51,7 +51,7 @@ class Procs:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
         self.children.append((popen, log))
         info: dict[str, Any] = {}
@@ -64,6 +64,7 @@ class Procs:
 
     def coordinator(self, *settings: str, broker: str | None = None) -> str:
         args = ["coordinator", "--listen", "127.0.0.1:0"]
+        args += ["--state-dir", str(self.tmp / "coordinator-state")]
         for s in settings:
             args += ["--set", s]
         if broker:
@@ -77,9 +78,10 @@ class Procs:
                 "--listen", "127.0.0.1:0", "--threads", "1"]  # fmt: skip
 
     def node(
-        self, name: str, coordinator: str, *extra: str
+        self, name: str, coordinator: str, *extra: str, env: dict[str, str] | None = None
     ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-        return self.start(name, *self._node_args(name, coordinator), *extra)
+        """Start one node; `env` adds variables (e.g. an armed fault point)."""
+        return self.start(name, *self._node_args(name, coordinator), *extra, env=env)
 
     def nodes(self, count: int, coordinator: str) -> dict[str, subprocess.Popen[bytes]]:
         """Start `count` nodes at once (n0, n1, ...) and wait until each has joined."""

@@ -36,6 +36,11 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         (["train.microbatch=64", "train.global_batch=8"], "exceeds"),
         (["pipeline.stages=99"], "exceeds the model"),
         (["steps"], "must look like section.key=value"),
+        (["pipeline.sync=sometimes"], "pipeline.sync='sometimes' is not one of"),
+        (["pipeline.reduce_codec=zip"], "pipeline.reduce_codec='zip' is not one of"),
+        (["pipeline.hop_timeout_min_s=200"], "at most pipeline.hop_timeout_s"),
+        (["pipeline.diloco_inner_steps=0"], "diloco_inner_steps must be >= 1"),
+        (["pipeline.diloco_outer_momentum=1.0"], "must be in [0, 1)"),
     ],
 )
 def test_bad_config_is_a_clear_error(overrides: list[str], message: str) -> None:

@@ -153,3 +153,48 @@ def test_without_evaluation_no_evaluation_leases() -> None:
     p = make(steps=2)
     assert not any(is_eval for _, is_eval, *_ in _run_eval_protocol(p))
     assert all(s.eval_finished_at is None for s in p.history)
+
+
+def _finish_training(p: StepProtocol) -> None:
+    while (lease := p.lease("h")) is not None:
+        assert p.commit("h", lease.lease_id, 1.0, lease.sample_count) is None
+    assert p.phase is Phase.APPLY
+
+
+def test_target_step_is_the_next_one_while_applying() -> None:
+    p = make(steps=3)
+    assert p.target_step == 0
+    _finish_training(p)
+    assert p.target_step == 1
+
+
+def test_a_joiner_hold_keeps_the_next_step_closed_until_dropped() -> None:
+    clock = Clock()
+    p = make(steps=3, clock=clock)
+    _finish_training(p)
+    p.await_acks({"a"})
+    p.hold("joiner", 30.0)
+    assert not p.ack("a", 0)
+    assert p.phase is Phase.APPLY and p.held() == 30.0
+    p.drop_hold("joiner")
+    assert p.try_advance() and p.step == 1 and p.phase is Phase.TRAINING
+
+
+def test_a_hold_expires_and_dies_with_its_node() -> None:
+    clock = Clock()
+    p = make(steps=3, clock=clock)
+    _finish_training(p)
+    p.hold("slow", 30.0)
+    p.hold("gone", 60.0)
+    p.node_lost("gone")
+    assert not p.try_advance()
+    clock.now = 30.5
+    assert p.held() is None
+    assert p.try_advance() and p.step == 1
+
+
+def test_no_hold_delays_the_end_of_the_run() -> None:
+    p = make(steps=1)
+    _finish_training(p)
+    p.hold("joiner", 30.0)
+    assert p.try_advance() and p.phase is Phase.DONE

@@ -112,3 +112,24 @@ def test_too_few_nodes_is_a_clear_error(tmp_path: Path, tiny: list[str]) -> None
     output = _finish(popen, 60)
     assert popen.returncode == 2
     assert "--nodes 2 cannot cover 3 stages" in output
+
+
+def test_a_scheduled_kill_is_not_a_crash_and_the_report_marks_it(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    # 4 nodes on 2 stages: every stage has two replicas, so any one may die.
+    popen = _start(
+        tmp_path, tiny, "--steps", "8", "--nodes", "4", "--stages", "2", "--churn", "kill n3@step3"
+    )
+    output = _finish(popen)
+    assert popen.returncode == 0, output
+    assert "churn: kill n3 at" in output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["steps"]) == 8 and report["counters"]["lost"] == 0
+    (event,) = report["churn"]
+    assert event["action"] == "kill" and event["node"] == "n3" and event["outcome"] == "killed"
+    assert event["planned"] == "step3" and event["step"] >= 3 and event["stage"] in (0, 1)
+    seen = [s["seen_at_seconds"] for s in report["steps"]]
+    assert seen == sorted(seen) and seen[event["step"] - 1] <= event["at_seconds"]
+    (victim,) = [m for m in report["members"] if m["node_id"] == "n3"]
+    assert not victim["online"]

@@ -1,0 +1,163 @@
+"""Periodic checkpoints of this node's stage, and restoring a stage from the latest one.
+
+After every `checkpoint.every_steps` steps, one replica per stage (the lowest
+node id among the stage's replicas in the plan, so the replicas agree without
+talking) snapshots the stage on the compute thread, right after the step,
+and uploads it in the background: to the coordinator (PutCheckpoint, which
+keeps it under its --state-dir), or straight into `checkpoint.dir` when that
+names a shared folder. If the replicas' plans disagree for a moment, two may
+upload the same step (the store keeps one) or none does (the next one will).
+
+`restore` fetches the stage's latest checkpoint through the same checked
+stream a live replica's state comes through (node/stage_state.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from swarmpipe.checkpoints import CheckpointStore, state_messages
+from swarmpipe.errors import PeerError
+from swarmpipe.node.compute import BACKWARD
+from swarmpipe.node.stage_state import ReceivedState, StateReceiver, StateSnapshot
+from swarmpipe.protos import coordinator_pb2, state_pb2
+
+if TYPE_CHECKING:
+    from swarmpipe.node.daemon import NodeDaemon
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_TIMEOUT_S = 900.0
+
+
+class Checkpointer:
+    """Saves this stage's state every few steps and reads back the latest one."""
+
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self.daemon = daemon
+        self._upload: asyncio.Task[None] | None = None
+
+    def _store(self) -> CheckpointStore | None:
+        """The shared folder store, or None when checkpoints go through the coordinator."""
+        config = self.daemon.config
+        assert config is not None
+        c = config.checkpoint
+        return CheckpointStore(c.dir, config.run_id, keep=c.keep) if c.dir else None
+
+    def _is_checkpointer(self) -> bool:
+        d = self.daemon
+        plan = d.router.plan
+        if plan is None or not 0 <= d.stage < len(plan.stages):
+            return False
+        replicas = sorted(r.node_id for r in plan.stages[d.stage].replicas)
+        return bool(replicas) and replicas[0] == d.node_id
+
+    async def after_step(self, step: int) -> None:
+        """Called once the stage holds the state of `step` (the step just applied + 1)."""
+        d = self.daemon
+        config, runtime = d.config, d.runtime
+        assert config is not None and runtime is not None
+        every = config.checkpoint.every_steps
+        if not every or step % every or not self._is_checkpointer():
+            return
+        if self._upload is not None and not self._upload.done():
+            logger.warning("checkpoint of step %d skipped: the last one is still uploading", step)
+            return
+        snapshot = await d.compute.run(BACKWARD, lambda: runtime.export_state(node_id=d.node_id))
+        self._upload = asyncio.create_task(self._save(snapshot))
+
+    async def _save(self, snapshot: StateSnapshot) -> None:
+        d = self.daemon
+        try:
+            await asyncio.to_thread(snapshot.seal)
+            store = self._store()
+            if store is not None:
+                where = await asyncio.to_thread(_write_to_folder, store, snapshot)
+            else:
+                reply = await d.coordinator.PutCheckpoint(
+                    _aiter(state_messages(snapshot.manifest, snapshot.chunks())),
+                    timeout=UPLOAD_TIMEOUT_S,
+                )
+                where = f"the coordinator ({reply.stored_as})"
+            logger.info(
+                "checkpoint of stage %d at step %d saved to %s (%d bytes)",
+                d.stage,
+                snapshot.step,
+                where,
+                snapshot.manifest.payload_bytes,
+            )
+        except (grpc.aio.AioRpcError, OSError, PeerError) as exc:
+            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            logger.warning("checkpoint of step %d not saved: %s", snapshot.step, details)
+
+    async def restore(self) -> ReceivedState | None:
+        """The stage's latest checkpoint, checked against this stage; None when there is none."""
+        d = self.daemon
+        config, runtime = d.config, d.runtime
+        assert config is not None and runtime is not None
+
+        def receiver() -> StateReceiver:
+            return StateReceiver(
+                runtime.module,
+                run_id=config.run_id,
+                stage=d.stage,
+                num_stages=config.pipeline.stages,
+            )
+
+        store = self._store()
+        if store is not None:
+            return await asyncio.to_thread(_read_from_folder, store, d.stage, receiver)
+        r = receiver()
+        try:
+            call = d.coordinator.GetCheckpoint(
+                coordinator_pb2.GetCheckpointRequest(node_id=d.node_id, stage=d.stage),
+                timeout=UPLOAD_TIMEOUT_S,
+            )
+            async for message in call:
+                r.add(message)
+            return await asyncio.to_thread(r.finish)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                logger.warning("could not fetch the stage's checkpoint: %s", exc.details())
+            return None
+        except PeerError as exc:
+            logger.error("the stage's latest checkpoint is unusable: %s", exc)
+            return None
+
+    async def close(self) -> None:
+        """Let an upload in progress finish (a stopping node's last checkpoint counts)."""
+        if self._upload is not None and not self._upload.done():
+            await asyncio.wait({self._upload}, timeout=30)
+
+
+async def _aiter(messages: Any) -> AsyncIterator[state_pb2.StateMessage]:
+    for message in messages:
+        yield message
+
+
+def _write_to_folder(store: CheckpointStore, snapshot: StateSnapshot) -> str:
+    writer = store.receive(int(snapshot.manifest.stage))
+    for message in state_messages(snapshot.manifest, snapshot.chunks()):
+        writer.add(message)
+    return str(writer.commit())
+
+
+def _read_from_folder(
+    store: CheckpointStore, stage: int, make_receiver: Any
+) -> ReceivedState | None:
+    """The newest checkpoint in the folder that passes every check (older ones as fallback)."""
+    for step, path in reversed(store.checkpoints(stage)):
+        receiver: StateReceiver = make_receiver()
+        try:
+            manifest, chunks = store.read(path)
+            for message in state_messages(manifest, chunks):
+                receiver.add(message)
+            return receiver.finish()
+        except (OSError, PeerError, ValueError) as exc:
+            logger.error("checkpoint %s (step %d) is unusable: %s", path, step, exc)
+    return None

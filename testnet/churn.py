@@ -1,0 +1,139 @@
+"""Churn scenarios for the testnet: which node to SIGKILL or start, and when.
+
+A schedule is written on the command line, e.g.
+
+    --churn "kill n1@8s, start n1@15s, kill n4@step12, start n9@step14"
+
+`kill NODE@T` SIGKILLs the node's whole process group (no polite stop, so its
+Last Will fires and its leases are replayed); `start NODE@T` starts a node
+with that name, the same id as a killed one (it rejoins) or a fresh one. T is
+`Ns` (seconds since training began, i.e. since step 0 opened) or `stepN`
+(once N steps have finished).
+
+`--churn-random RATE --churn-seed S` adds kills at random: a Poisson process
+of RATE kills per minute, each of a node picked at random (seeded) among
+those whose stage has another replica online, each restarted with the same
+id `--churn-downtime` seconds later. Given the seed, the sequence of choices
+is the same on every run; when they land depends on the machine's speed.
+
+Every event performed is recorded with when it happened (seconds since
+training began, and the step) for the report.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from swarmpipe.errors import ConfigError
+
+_EVENT = re.compile(r"^(kill|start)\s+([A-Za-z0-9_.-]{1,64})\s*@\s*(?:(\d+(?:\.\d+)?)s|step(\d+))$")
+
+
+@dataclass(frozen=True, slots=True)
+class ChurnEvent:
+    """One planned action: at `seconds` into training or after `after_steps` steps."""
+
+    action: str  # "kill" or "start"
+    node: str
+    seconds: float | None = None
+    after_steps: int | None = None
+
+    def due(self, elapsed: float, steps_done: int) -> bool:
+        if self.seconds is not None:
+            return elapsed >= self.seconds
+        assert self.after_steps is not None
+        return steps_done >= self.after_steps
+
+    @property
+    def when(self) -> str:
+        return f"{self.seconds:g}s" if self.seconds is not None else f"step{self.after_steps}"
+
+
+@dataclass(frozen=True, slots=True)
+class ChurnRecord:
+    """An action the testnet performed, for report.json."""
+
+    action: str
+    node: str
+    planned: str  # the schedule's time ("8s", "step12") or "random"
+    at_seconds: float  # since training began
+    step: int  # steps finished when it happened
+    stage: int  # the node's stage (-1 when not known yet)
+    outcome: str  # "killed", "started", "not running", "skipped: ..."
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_schedule(text: str) -> list[ChurnEvent]:
+    """Parse `kill n1@8s, start n1@step5` into events; a ConfigError names a bad item."""
+    events = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _EVENT.match(item)
+        if match is None:
+            raise ConfigError(
+                f"--churn item {item!r} must look like 'kill NODE@8s' or 'start NODE@step5'"
+            )
+        action, node, seconds, steps = match.groups()
+        events.append(
+            ChurnEvent(
+                action=action,
+                node=node,
+                seconds=float(seconds) if seconds is not None else None,
+                after_steps=int(steps) if steps is not None else None,
+            )
+        )
+    return events
+
+
+class ChurnPlan:
+    """Hands out the events due now: the fixed schedule plus seeded random kills."""
+
+    def __init__(
+        self,
+        schedule: list[ChurnEvent],
+        *,
+        random_rate_per_min: float = 0.0,
+        seed: int = 0,
+        downtime_s: float = 5.0,
+    ) -> None:
+        if random_rate_per_min < 0 or downtime_s < 0:
+            raise ConfigError("--churn-random and --churn-downtime must be >= 0")
+        self.pending = list(schedule)
+        self.rate_per_s = random_rate_per_min / 60.0
+        self.downtime_s = downtime_s
+        self.rng = random.Random(seed)
+        self.next_random = self._gap() if self.rate_per_s else None
+
+    def _gap(self) -> float:
+        return self.rng.expovariate(self.rate_per_s)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending) or self.next_random is not None
+
+    def due(self, elapsed: float, steps_done: int) -> list[ChurnEvent]:
+        """Scheduled events whose time has come, in schedule order (removed from the plan)."""
+        ready = [e for e in self.pending if e.due(elapsed, steps_done)]
+        self.pending = [e for e in self.pending if e not in ready]
+        return ready
+
+    def random_victim(self, elapsed: float, eligible: list[str]) -> str | None:
+        """The node a random kill takes now, if one is due; schedules its restart.
+
+        `eligible` are nodes whose stage keeps another live replica. When none
+        is, the kill is skipped (returns "") rather than stalling the run.
+        """
+        if self.next_random is None or elapsed < self.next_random:
+            return None
+        self.next_random = elapsed + self._gap()
+        if not eligible:
+            return ""
+        victim = self.rng.choice(sorted(eligible))
+        self.pending.append(
+            ChurnEvent(action="start", node=victim, seconds=elapsed + self.downtime_s)
+        )
+        return victim

@@ -1,0 +1,147 @@
+"""Churn with real processes: a head dies with work in flight, a replica dies inside the reduce.
+
+Each kill lands at an exact moment through a fault point (node/fault_points.py):
+the victim stops dead there and writes a marker file, and only then does the
+test SIGKILL it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.ready import poll_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+class Coordinator:
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    def status(self) -> coordinator_pb2.StatusReply:
+        return self.stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
+
+    def finished(self, timeout: float) -> coordinator_pb2.StatusReply:
+        final: coordinator_pb2.StatusReply = poll_until(
+            lambda: (s := self.status()).done and s, timeout, "the run to finish"
+        )
+        return final
+
+
+def _pause_at(point: str, step: int, marker: Path) -> dict[str, str]:
+    return {"SWARMPIPE_PAUSE_AT": f"{point}:{step}:{marker}"}
+
+
+def _marker(path: Path) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return data
+
+
+def test_killing_the_origin_of_in_flight_microbatches_replays_them(procs, tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    steps = 10
+    target = procs.coordinator(
+        *tiny, "pipeline.stages=2", f"train.steps={steps}", "coordinator.min_nodes=3"
+    )
+    procs.nodes(2, target)  # n0: stage 0 (a head), n1: stage 1
+    marker = tmp_path / "n2.paused"
+    # n2 is the second head. It stops dead with a microbatch whose gradient has
+    # come back from stage 1 (so stage 1 has already added it) but not committed.
+    victim, info = procs.node("n2", target, env=_pause_at("head.hop_done", 2, marker))
+    assert info["stage"] == 0
+    coordinator = Coordinator(target)
+    try:
+        paused = poll_until(lambda: _marker(marker), 240, "the head to pause mid-microbatch")
+        assert coordinator.status().counters.outstanding > 0
+        os.killpg(victim.pid, signal.SIGKILL)
+        final = coordinator.finished(300)
+        c = final.counters
+        assert c.replayed > 0, c
+        assert c.lost == 0 and c.outstanding == 0, c
+        assert c.committed == steps * 16, c
+        assert len(final.steps) == steps and final.steps[paused["step"]].samples == 16
+        survivors = {n.node_id: n for n in final.nodes if n.node_id != "n2"}
+        assert all(n.last_step == steps - 1 for n in survivors.values())
+    finally:
+        coordinator.channel.close()
+
+
+def test_a_replica_killed_inside_the_reduce_is_dropped_and_the_others_agree(  # type: ignore[no-untyped-def]
+    procs, tiny, tmp_path
+) -> None:
+    steps = 8
+    # One stage with three replicas (each a head), and a reduce timeout far
+    # longer than the test may wait: the step must end because the victim's
+    # Last Will drops it, not because anyone gave up waiting.
+    target = procs.coordinator(
+        *tiny,
+        "pipeline.stages=1",
+        f"train.steps={steps}",
+        "coordinator.min_nodes=3",
+        "pipeline.reduce_timeout_s=600",
+    )
+    procs.nodes(2, target)
+    marker = tmp_path / "n2.paused"
+    # n2 sends its gradient to n0 (peers go in id order), then stops dead:
+    # n0 holds n2's contribution, n1 never gets it.
+    victim, _ = procs.node("n2", target, env=_pause_at("reduce.sent_one", 3, marker))
+    coordinator = Coordinator(target)
+    try:
+        paused = poll_until(lambda: _marker(marker), 240, "the replica to pause in the reduce")
+        os.killpg(victim.pid, signal.SIGKILL)
+        final = coordinator.finished(300)
+        assert final.counters.lost == 0 and final.counters.outstanding == 0
+        assert len(final.steps) == steps
+        survivors = [n for n in final.nodes if n.node_id != "n2"]
+        assert [n.last_step for n in survivors] == [steps - 1, steps - 1]
+        # n0 had n2's gradient and n1 had not; the manifests made them agree.
+        assert survivors[0].param_digest == survivors[1].param_digest
+        for name in ("n0", "n1"):
+            log = (tmp_path / f"{name}.log").read_text()
+            assert f"step {paused['step']}: contributions of ['n2'] dropped" in log, log[-3000:]
+            assert "in time; dropped" not in log
+    finally:
+        coordinator.channel.close()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ("pipeline.sync=diloco", "pipeline.diloco_inner_steps=3"),
+        ("pipeline.reduce_codec=int8",),
+    ],
+    ids=["diloco", "int8-reduce"],
+)
+def test_replicas_stay_bit_identical(procs, tiny, settings: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
+    steps = 7
+    target = procs.coordinator(
+        *tiny, "pipeline.stages=1", f"train.steps={steps}", "coordinator.min_nodes=2", *settings
+    )
+    procs.nodes(2, target)
+    coordinator = Coordinator(target)
+    try:
+        final = coordinator.finished(300)
+        assert final.counters.lost == 0 and len(final.steps) == steps
+        assert final.steps[-1].loss < final.steps[0].loss
+        digests = {n.param_digest for n in final.nodes}
+        assert len(digests) == 1 and "" not in digests, digests
+        reduce_links = [link for link in final.links if link.direction == "reduce"]
+        assert reduce_links
+        if "pipeline.reduce_codec=int8" in settings:
+            assert {link.codec for link in reduce_links} == {"int8"}
+        else:
+            # DiLoCo averages after steps 2, 5 and 6 only: 3 exchanges per replica.
+            assert all(link.tensors == 3 for link in reduce_links), reduce_links
+    finally:
+        coordinator.channel.close()

@@ -1,0 +1,74 @@
+"""Issue 4's headline: replicas SIGKILLed at different moments, fresh nodes join, nothing lost.
+
+2 replicas per stage, 3 stages. One replica of every stage is SIGKILLed at its
+own moment and a fresh node (a new id) is started after each kill; it joins
+the stage that lost a replica, downloading its state from the survivor. The
+run must finish with lost == 0, every stage's live replicas bit-identical,
+and a final loss within 5% of the same run without churn. That run is the
+single-process reference: the lossless replicated pipeline equals it to
+1e-4 (tests/integration/test_training.py), and it costs one process, not six.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+import pytest
+
+from swarmpipe.config import load_config
+from swarmpipe.model.reference import train_single_process
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.ready import poll_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS = 30
+
+
+def test_replicas_killed_and_replaced_during_the_run_lose_nothing(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    settings = [*tiny, "pipeline.stages=3", f"train.steps={STEPS}"]
+    target = procs.coordinator(*settings, "coordinator.min_nodes=6", "pipeline.reduce_timeout_s=60")
+    nodes = procs.nodes(6, target)
+    channel = grpc.insecure_channel(target)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def status() -> coordinator_pb2.StatusReply:
+        return stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
+
+    def online(node_id: str) -> bool:
+        return any(n.node_id == node_id and n.online for n in status().nodes)
+
+    try:
+        stages = {n.node_id: n.stage for n in status().nodes}
+        killed = []
+        for stage in range(3):
+            at = 3 + 7 * stage  # a different moment for every stage
+            poll_until(lambda a=at: len(status().steps) >= a, 300, f"step {at}")
+            victim = max(n for n, s in stages.items() if s == stage)
+            os.killpg(nodes[victim].pid, signal.SIGKILL)
+            killed.append(victim)
+            fresh = f"fresh{stage}"
+            _, info = procs.node(fresh, target)
+            assert info["stage"] == stage, "a joiner goes to the stage that lost a replica"
+            poll_until(lambda f=fresh: online(f), 120, f"{fresh} to serve")
+        final: coordinator_pb2.StatusReply = poll_until(
+            lambda: (s := status()).done and s, 600, "the run to finish"
+        )
+        c = final.counters
+        assert c.lost == 0 and c.outstanding == 0, c
+        assert len(final.steps) == STEPS
+        live = [n for n in final.nodes if n.node_id not in killed]
+        assert len(live) == 6
+        for stage in range(3):
+            replicas = [n for n in live if n.stage == stage]
+            assert len(replicas) == 2
+            assert {n.last_step for n in replicas} == {STEPS - 1}
+            assert len({n.param_digest for n in replicas}) == 1, replicas
+        baseline = train_single_process(load_config(None, settings))
+        got, want = final.steps[-1].loss, baseline[-1]
+        assert baseline[-1] < 0.8 * baseline[0], "the baseline did not learn"
+        assert abs(got - want) / want < 0.05, f"final loss {got} vs {want} without churn"
+    finally:
+        channel.close()

@@ -1,0 +1,60 @@
+"""The testnet's churn scenario: schedule parsing and seeded random kills (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmpipe.errors import ConfigError
+from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, parse_schedule
+
+
+def test_schedule_parses_times_and_steps_in_order() -> None:
+    events = parse_schedule("kill n1@8s, start n1@15.5s,kill n4@step12 , start fresh-1@step14")
+    assert events == [
+        ChurnEvent("kill", "n1", seconds=8.0),
+        ChurnEvent("start", "n1", seconds=15.5),
+        ChurnEvent("kill", "n4", after_steps=12),
+        ChurnEvent("start", "fresh-1", after_steps=14),
+    ]
+    assert parse_schedule("") == []
+
+
+@pytest.mark.parametrize("bad", ["stop n1@3s", "kill n1", "kill n1@3", "kill @3s", "kill n/1@3s"])
+def test_a_bad_schedule_item_is_a_clear_error(bad: str) -> None:
+    with pytest.raises(ConfigError, match="must look like 'kill NODE@8s'"):
+        parse_schedule(f"kill n0@1s, {bad}")
+
+
+def test_events_come_due_by_time_or_by_steps_once() -> None:
+    plan = ChurnPlan(parse_schedule("kill n1@8s, start n1@step3, kill n2@step1"))
+    assert plan.due(1.0, 0) == []
+    assert [e.node for e in plan.due(2.0, 1)] == ["n2"]
+    assert [(e.action, e.node) for e in plan.due(9.0, 3)] == [("kill", "n1"), ("start", "n1")]
+    assert plan.due(100.0, 100) == [] and not plan.active
+
+
+def _random_run(seed: int) -> list[tuple[float, str | None]]:
+    plan = ChurnPlan([], random_rate_per_min=60.0, seed=seed, downtime_s=2.0)
+    picks = []
+    for tick in range(200):
+        now = tick * 0.25
+        victim = plan.random_victim(now, ["a", "b", "c", "d"])
+        if victim is not None:
+            picks.append((now, victim))
+        plan.due(now, 0)  # restarts are handed out like scheduled events
+    return picks
+
+
+def test_random_kills_follow_the_seed_and_schedule_restarts() -> None:
+    first = _random_run(3)
+    assert first == _random_run(3) and first != _random_run(4)
+    assert 20 <= len(first) <= 90  # about one a second over 50 s
+    plan = ChurnPlan([], random_rate_per_min=60.0, seed=3, downtime_s=2.0)
+    victim = None
+    now = 0.0
+    while victim is None:
+        now += 0.25
+        victim = plan.random_victim(now, ["a", "b"])
+    assert plan.due(now + 1.9, 0) == []
+    assert plan.due(now + 2.0, 0) == [ChurnEvent("start", victim, seconds=now + 2.0)]
+    assert ChurnPlan([], random_rate_per_min=600.0, seed=1).random_victim(60.0, []) == ""
