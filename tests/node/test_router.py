@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from swarmpipe.config import load_config
+from swarmpipe.node.links import Links
 from swarmpipe.node.router import HopError, Router
 from swarmpipe.node.server import read_forward_request
 from swarmpipe.node.transport import LinkStats, encode
@@ -102,7 +103,7 @@ async def swarm() -> AsyncIterator[Swarm]:
 
 @pytest.fixture
 def router() -> Iterator[Router]:
-    r = Router("head", LinkStats(), seed=7)
+    r = Router("head", LinkStats(), Links(), seed=7)
     r.configure(
         load_config(None, ["pipeline.hop_timeout_min_s=0.3", "pipeline.hop_timeout_s=60"]).pipeline
     )
