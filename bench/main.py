@@ -13,6 +13,7 @@ from typing import Any
 
 BENCHMARKS: dict[str, str] = {
     "pipeline": "testnet samples/s beside single-process training, wire bytes per codec",
+    "convergence": "held-out loss after N steps per boundary codec and learned bottleneck",
 }
 """Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
 

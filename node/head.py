@@ -22,6 +22,7 @@ import torch
 
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError, HopResult
+from swarmpipe.node.token_ids import encode_token_ids
 from swarmpipe.protos import coordinator_pb2, stage_pb2
 
 if TYPE_CHECKING:
@@ -99,6 +100,9 @@ class Head:
             hop=1,
             sender_node=d.node_id,
         )
+        if config.model.bottleneck and config.pipeline.stages > 1:
+            # Stages after a bottleneck boundary re-add token embeddings from these.
+            header.tokens = encode_token_ids(tokens, config.model.vocab)
         key = uuid.uuid4().hex
         d.in_flight += 1
         started = time.perf_counter()

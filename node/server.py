@@ -23,6 +23,7 @@ from swarmpipe.compression import get_codec
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError
+from swarmpipe.node.token_ids import decode_token_ids
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -128,6 +129,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             runtime.check_activation(activation, header.sample_count)
             labels = decode_labels(header)
             runtime.check_labels(labels)
+            tokens = (
+                decode_token_ids(
+                    header.tokens, header.sample_count, header.context, d.config.model.vocab
+                )
+                if header.tokens
+                else None
+            )
+            runtime.check_tokens(tokens)
         except (PeerError, CodecError) as exc:
             logger.warning("refused a microbatch: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -142,7 +151,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         try:
             if runtime.is_last:
                 last = await d.compute.run(
-                    FORWARD, lambda: runtime.forward_last(header.microbatch_id, activation, labels)
+                    FORWARD,
+                    lambda: runtime.forward_last(header.microbatch_id, activation, labels, tokens),
                 )
                 grad_input = last.grad_input
                 result = stage_pb2.MicrobatchResult(
@@ -150,7 +160,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 )
             else:
                 output = await d.compute.run(
-                    FORWARD, lambda: runtime.forward(key, header.microbatch_id, activation)
+                    FORWARD, lambda: runtime.forward(key, header.microbatch_id, activation, tokens)
                 )
                 downstream = stage_pb2.MicrobatchHeader()
                 downstream.CopyFrom(header)

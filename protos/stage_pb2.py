@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarmpipe.protos import tensor_pb2 as swarmpipe_dot_protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmpipe/protos/stage.proto\x12\x0cswarmpipe.v1\x1a\x1dswarmpipe/protos/tensor.proto\"\xfa\x01\n\x10MicrobatchHeader\x12\x15\n\rmicrobatch_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x14\n\x0csample_start\x18\x04 \x01(\x04\x12\x14\n\x0csample_count\x18\x05 \x01(\r\x12\x13\n\x0borigin_node\x18\x06 \x01(\t\x12\x0e\n\x06labels\x18\x07 \x01(\x0c\x12\x0f\n\x07\x63ontext\x18\x08 \x01(\r\x12+\n\x0egradient_codec\x18\t \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\x0b\n\x03hop\x18\n \x01(\r\x12\x13\n\x0bsender_node\x18\x0b \x01(\t\"\xa8\x01\n\x0e\x46orwardMessage\x12\x34\n\nmicrobatch\x18\x01 \x01(\x0b\x32\x1e.swarmpipe.v1.MicrobatchHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x42\x06\n\x04kind\"I\n\x10MicrobatchResult\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x13\n\x0bstages_done\x18\x03 \x01(\r\"\xa5\x01\n\x0f\x42\x61\x63kwardMessage\x12,\n\x06tensor\x18\x01 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.swarmpipe.v1.MicrobatchResultH\x00\x42\x06\n\x04kind\"R\n\x0cReduceHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bsender_node\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0f\n\x07samples\x18\x04 \x01(\x04\"\x9f\x01\n\rReduceMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmpipe.v1.ReduceHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\r\n\x0bReduceReply\"\x12\n\x10StageInfoRequest\"e\n\x0eStageInfoReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r2\xdd\x01\n\x05Stage\x12J\n\x07\x46orward\x12\x1c.swarmpipe.v1.ForwardMessage\x1a\x1d.swarmpipe.v1.BackwardMessage(\x01\x30\x01\x12\x42\n\x06Reduce\x12\x1b.swarmpipe.v1.ReduceMessage\x1a\x19.swarmpipe.v1.ReduceReply(\x01\x12\x44\n\x04Info\x12\x1e.swarmpipe.v1.StageInfoRequest\x1a\x1c.swarmpipe.v1.StageInfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmpipe/protos/stage.proto\x12\x0cswarmpipe.v1\x1a\x1dswarmpipe/protos/tensor.proto\"\x8a\x02\n\x10MicrobatchHeader\x12\x15\n\rmicrobatch_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x14\n\x0csample_start\x18\x04 \x01(\x04\x12\x14\n\x0csample_count\x18\x05 \x01(\r\x12\x13\n\x0borigin_node\x18\x06 \x01(\t\x12\x0e\n\x06labels\x18\x07 \x01(\x0c\x12\x0f\n\x07\x63ontext\x18\x08 \x01(\r\x12+\n\x0egradient_codec\x18\t \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\x0b\n\x03hop\x18\n \x01(\r\x12\x13\n\x0bsender_node\x18\x0b \x01(\t\x12\x0e\n\x06tokens\x18\x0c \x01(\x0c\"\xa8\x01\n\x0e\x46orwardMessage\x12\x34\n\nmicrobatch\x18\x01 \x01(\x0b\x32\x1e.swarmpipe.v1.MicrobatchHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x42\x06\n\x04kind\"I\n\x10MicrobatchResult\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x13\n\x0bstages_done\x18\x03 \x01(\r\"\xa5\x01\n\x0f\x42\x61\x63kwardMessage\x12,\n\x06tensor\x18\x01 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.swarmpipe.v1.MicrobatchResultH\x00\x42\x06\n\x04kind\"R\n\x0cReduceHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bsender_node\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0f\n\x07samples\x18\x04 \x01(\x04\"\x9f\x01\n\rReduceMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmpipe.v1.ReduceHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\r\n\x0bReduceReply\"\x12\n\x10StageInfoRequest\"e\n\x0eStageInfoReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r2\xdd\x01\n\x05Stage\x12J\n\x07\x46orward\x12\x1c.swarmpipe.v1.ForwardMessage\x1a\x1d.swarmpipe.v1.BackwardMessage(\x01\x30\x01\x12\x42\n\x06Reduce\x12\x1b.swarmpipe.v1.ReduceMessage\x1a\x19.swarmpipe.v1.ReduceReply(\x01\x12\x44\n\x04Info\x12\x1e.swarmpipe.v1.StageInfoRequest\x1a\x1c.swarmpipe.v1.StageInfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmpipe.protos.stage_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MICROBATCHHEADER']._serialized_start=78
-  _globals['_MICROBATCHHEADER']._serialized_end=328
-  _globals['_FORWARDMESSAGE']._serialized_start=331
-  _globals['_FORWARDMESSAGE']._serialized_end=499
-  _globals['_MICROBATCHRESULT']._serialized_start=501
-  _globals['_MICROBATCHRESULT']._serialized_end=574
-  _globals['_BACKWARDMESSAGE']._serialized_start=577
-  _globals['_BACKWARDMESSAGE']._serialized_end=742
-  _globals['_REDUCEHEADER']._serialized_start=744
-  _globals['_REDUCEHEADER']._serialized_end=826
-  _globals['_REDUCEMESSAGE']._serialized_start=829
-  _globals['_REDUCEMESSAGE']._serialized_end=988
-  _globals['_REDUCEREPLY']._serialized_start=990
-  _globals['_REDUCEREPLY']._serialized_end=1003
-  _globals['_STAGEINFOREQUEST']._serialized_start=1005
-  _globals['_STAGEINFOREQUEST']._serialized_end=1023
-  _globals['_STAGEINFOREPLY']._serialized_start=1025
-  _globals['_STAGEINFOREPLY']._serialized_end=1126
-  _globals['_STAGE']._serialized_start=1129
-  _globals['_STAGE']._serialized_end=1350
+  _globals['_MICROBATCHHEADER']._serialized_end=344
+  _globals['_FORWARDMESSAGE']._serialized_start=347
+  _globals['_FORWARDMESSAGE']._serialized_end=515
+  _globals['_MICROBATCHRESULT']._serialized_start=517
+  _globals['_MICROBATCHRESULT']._serialized_end=590
+  _globals['_BACKWARDMESSAGE']._serialized_start=593
+  _globals['_BACKWARDMESSAGE']._serialized_end=758
+  _globals['_REDUCEHEADER']._serialized_start=760
+  _globals['_REDUCEHEADER']._serialized_end=842
+  _globals['_REDUCEMESSAGE']._serialized_start=845
+  _globals['_REDUCEMESSAGE']._serialized_end=1004
+  _globals['_REDUCEREPLY']._serialized_start=1006
+  _globals['_REDUCEREPLY']._serialized_end=1019
+  _globals['_STAGEINFOREQUEST']._serialized_start=1021
+  _globals['_STAGEINFOREQUEST']._serialized_end=1039
+  _globals['_STAGEINFOREPLY']._serialized_start=1041
+  _globals['_STAGEINFOREPLY']._serialized_end=1142
+  _globals['_STAGE']._serialized_start=1145
+  _globals['_STAGE']._serialized_end=1366
 # @@protoc_insertion_point(module_scope)
