@@ -345,10 +345,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bottleneck-codec", default="int8", help="codec the bottleneck row composes with"
     )
     parser.add_argument(
-        "--eval-every", type=int, default=250, help="held-out evaluation every N steps (0: end)"
+        "--eval-every", type=int, default=500, help="held-out evaluation every N steps (0: end)"
     )
     parser.add_argument(
-        "--eval-samples", type=int, default=1024, help="held-out samples per evaluation"
+        "--eval-samples", type=int, default=2048, help="held-out samples per evaluation"
     )
     parser.add_argument("--jobs", type=int, default=1, help="settings trained at once (processes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per job")
