@@ -46,6 +46,9 @@ CODEC_SETTINGS = ("lossless", "fp16", "int8", "int4", "lowrank")
 SETTING_KINDS = (*CODEC_SETTINGS, "bottleneck", "twin")
 """What `--settings` may name: the codec settings, the bottleneck, and its full-width twin."""
 
+PROGRESS_EVERY = 100
+"""Steps between progress lines in the log."""
+
 EVAL_BATCH = 64
 """Held-out samples per forward pass of an evaluation; bounds its memory."""
 
@@ -241,6 +244,15 @@ def train_setting(
                 steps,
                 train_losses[-1],
                 curve[-1][1],
+            )
+        elif done % PROGRESS_EVERY == 0:  # a long run shows its pace between evaluations
+            logger.info(
+                "%s: step %d/%d train loss %.4f after %.0f s",
+                setting.name,
+                done,
+                steps,
+                train_losses[-1],
+                time.perf_counter() - started,
             )
     return {
         "setting": asdict(setting),
