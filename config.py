@@ -73,6 +73,12 @@ class ModelConfig:
     factory: str = ""
     """`module:function` returning `list[torch.nn.Module]`; empty means the built-in GPT.
     The function receives this ModelConfig; the last layer's output goes to the loss."""
+    bottleneck: int = 0
+    """Width k of the learned bottleneck boundary between stages (model/bottleneck.py): 0 is
+    off; 1..d_model narrows what crosses every link to k numbers per token, and the receiving
+    stage re-adds a token embedding (token ids then travel with each microbatch, one byte per
+    token for a byte vocabulary). k = d_model is the full-width twin to compare a bottleneck
+    against. Built-in GPT only."""
 
     def __post_init__(self) -> None:
         if self.n_layers < 1 or self.d_model < 1 or self.context < 1 or self.vocab < 2:
@@ -83,6 +89,16 @@ class ModelConfig:
             )
         if self.factory and ":" not in self.factory:
             raise ConfigError(f"model.factory={self.factory!r} must look like 'package.module:fn'")
+        if not 0 <= self.bottleneck <= self.d_model:
+            raise ConfigError(
+                f"model.bottleneck={self.bottleneck} must be 0 (off) or a width in "
+                f"1..model.d_model={self.d_model}"
+            )
+        if self.bottleneck and self.factory:
+            raise ConfigError(
+                "model.bottleneck works with the built-in GPT only; a model.factory model "
+                "can put its own narrowing layers at its stage cuts; set model.bottleneck=0"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

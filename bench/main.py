@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "slowlink": "held-out loss against wall-clock time on rate-limited links, as a PNG",
     "links": "lossless against auto codec choice with every link limited, beside both bounds",
     "churn": "seconds from a replica's SIGKILL until samples/s is back to 90%",
+    "convergence": "held-out loss after N steps per boundary codec and learned bottleneck",
 }
 """Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
 

@@ -6,10 +6,20 @@ layer initialised from its own seed so that any stage can be built alone.
 stages; `build_full_model` is the uncut model of the single-process baseline
 (`swarmpipe.model.reference`). `token_loss_sum` is the loss the last stage
 backpropagates: summed, so gradients are divided by the token count once per step.
+`BottleneckDown`/`BottleneckUp` are the learned boundary `model.bottleneck` puts at
+every stage cut; `StageModule` runs a stage's modules and hands token ids to the
+ones that re-add token embeddings.
 """
 
+from swarmpipe.model.bottleneck import (
+    BottleneckDown,
+    BottleneckUp,
+    build_bottleneck_down,
+    build_bottleneck_up,
+)
 from swarmpipe.model.gpt import Block, Embedding, Head, build_gpt_layer, build_gpt_layers
 from swarmpipe.model.partition import (
+    StageModule,
     build_full_model,
     build_stage,
     n_model_layers,
@@ -19,8 +29,13 @@ from swarmpipe.model.partition import (
 
 __all__ = [
     "Block",
+    "BottleneckDown",
+    "BottleneckUp",
     "Embedding",
     "Head",
+    "StageModule",
+    "build_bottleneck_down",
+    "build_bottleneck_up",
     "build_full_model",
     "build_gpt_layer",
     "build_gpt_layers",

@@ -4,7 +4,10 @@ The model is a list of layers: the built-in GPT (embedding, blocks, head) or
 whatever a user factory `model.factory = "pkg.mod:fn"` returns. A stage is a
 contiguous range of that list, and every stage builds the same parameters for
 its layers as the whole model would, so the pipeline starts where the
-single-process baseline starts.
+single-process baseline starts. With `model.bottleneck` on, each cut between
+stages also gets a learned boundary (model/bottleneck.py): a down-projection
+ends the stage before it and an up-projection starts the stage after it, in
+the pipeline and in the single-process baseline alike.
 """
 
 from __future__ import annotations
@@ -17,7 +20,38 @@ from torch import nn
 
 from swarmpipe.config import RunConfig
 from swarmpipe.errors import ConfigError
+from swarmpipe.model.bottleneck import BottleneckUp, build_bottleneck_down, build_bottleneck_up
 from swarmpipe.model.gpt import build_gpt_layer
+
+
+class StageModule(nn.Sequential):
+    """Layers run in order, handing the microbatch's token ids to those that re-add them.
+
+    Only a bottleneck's up-projection takes token ids. A module whose input is the
+    ids themselves (stage 0, the whole model) finds them there; a later stage is
+    handed them beside its activations.
+    """
+
+    def forward(self, input: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        if tokens is None and not input.is_floating_point():
+            tokens = input  # [B, T] token ids: this module starts at the embedding
+        x = input
+        for layer in self:
+            if isinstance(layer, BottleneckUp):
+                if tokens is None:
+                    raise ValueError(
+                        "this stage starts with a bottleneck up-projection and needs the "
+                        "microbatch's token ids beside its activations"
+                    )
+                x = layer(x, tokens)
+            else:
+                x = layer(x)
+        return x
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether a layer here re-adds token embeddings (so the ids must travel with the input)."""
+        return any(isinstance(layer, BottleneckUp) for layer in self)
 
 
 def stage_layer_ranges(n_layers_total: int, stages: int) -> list[range]:
@@ -82,8 +116,20 @@ def n_model_layers(cfg: RunConfig) -> int:
     return cfg.model.n_layers + 2
 
 
-def build_stage(cfg: RunConfig, stage: int) -> nn.Sequential:
-    """Only the layers of `stage`, with the parameters the whole model would give them."""
+def _gpt_stage_modules(cfg: RunConfig, stage: int, ranges: list[range]) -> list[nn.Module]:
+    """Stage `stage` of the built-in GPT: its layers, between its bottleneck boundaries if any."""
+    m, seed = cfg.model, cfg.train.seed
+    modules: list[nn.Module] = [build_gpt_layer(m, i, seed) for i in ranges[stage]]
+    if m.bottleneck:
+        if stage > 0:
+            modules.insert(0, build_bottleneck_up(m, seed, stage - 1))
+        if stage < len(ranges) - 1:
+            modules.append(build_bottleneck_down(m, seed, stage))
+    return modules
+
+
+def build_stage(cfg: RunConfig, stage: int) -> StageModule:
+    """Only the modules of `stage`, with the parameters the whole model would give them."""
     stages = cfg.pipeline.stages
     if not 0 <= stage < stages:
         raise ConfigError(f"stage {stage} is outside the run's pipeline.stages={stages}")
@@ -91,17 +137,17 @@ def build_stage(cfg: RunConfig, stage: int) -> nn.Sequential:
         # A factory can only build its whole list; the other stages' layers are dropped.
         layers = _factory_layers(cfg)
         mine = stage_layer_ranges(len(layers), stages)[stage]
-        return nn.Sequential(*layers[mine.start : mine.stop])
+        return StageModule(*layers[mine.start : mine.stop])
     ranges = stage_layer_ranges(cfg.model.n_layers + 2, stages)
-    return nn.Sequential(*[build_gpt_layer(cfg.model, i, cfg.train.seed) for i in ranges[stage]])
+    return StageModule(*_gpt_stage_modules(cfg, stage, ranges))
 
 
-def build_full_model(cfg: RunConfig) -> nn.Sequential:
-    """Every layer in one module: the single-process baseline."""
+def build_full_model(cfg: RunConfig) -> StageModule:
+    """Every module in one, the bottleneck boundaries included: the single-process baseline."""
     if cfg.model.factory:
-        return nn.Sequential(*_factory_layers(cfg))
-    n = cfg.model.n_layers + 2
-    return nn.Sequential(*[build_gpt_layer(cfg.model, i, cfg.train.seed) for i in range(n)])
+        return StageModule(*_factory_layers(cfg))
+    ranges = stage_layer_ranges(cfg.model.n_layers + 2, cfg.pipeline.stages)
+    return StageModule(*[m for s in range(len(ranges)) for m in _gpt_stage_modules(cfg, s, ranges)])
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 
 from swarmpipe.config import RunConfig
 from swarmpipe.data import Corpus
-from swarmpipe.model.partition import build_full_model, token_loss_sum
+from swarmpipe.model.partition import StageModule, build_full_model, token_loss_sum
 
 
 def train_single_process(
@@ -66,10 +66,11 @@ def train_single_process(
 
 @torch.no_grad()
 def evaluate(model_or_layers: nn.Module | Sequence[nn.Module], corpus: Corpus, count: int) -> float:
-    """Mean token loss on the first `count` held-out samples (a model or its layers in order)."""
+    """Mean token loss on the first `count` held-out samples (a model, its stages or layers)."""
     x, y = corpus.heldout(count)  # each [count, T]
     out = x
     layers = [model_or_layers] if isinstance(model_or_layers, nn.Module) else model_or_layers
     for layer in layers:
-        out = layer(out)  # [count, T, V] after the last
+        # A stage may re-add token embeddings (model.bottleneck) and takes the ids too.
+        out = layer(out, x) if isinstance(layer, StageModule) else layer(out)  # [count, T, V]
     return float(token_loss_sum(out, y)) / y.numel()

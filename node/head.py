@@ -23,6 +23,7 @@ import torch
 from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError, HopResult
+from swarmpipe.node.token_ids import encode_token_ids
 from swarmpipe.protos import coordinator_pb2, stage_pb2
 
 if TYPE_CHECKING:
@@ -82,11 +83,16 @@ class Head:
             await self._process(lease)
 
     def _header(
-        self, lease: coordinator_pb2.LeaseReply, microbatch_id: str, labels: torch.Tensor
+        self,
+        lease: coordinator_pb2.LeaseReply,
+        microbatch_id: str,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
     ) -> stage_pb2.MicrobatchHeader:
         d = self.daemon
-        assert d.config is not None
-        return stage_pb2.MicrobatchHeader(
+        config = d.config
+        assert config is not None
+        header = stage_pb2.MicrobatchHeader(
             microbatch_id=microbatch_id,
             step=lease.step,
             lease_id=lease.lease_id,
@@ -94,12 +100,16 @@ class Head:
             sample_count=labels.shape[0],
             origin_node=d.node_id,
             labels=labels.numpy().astype("<i4").tobytes(),
-            context=d.config.model.context,
+            context=config.model.context,
             gradient_codec=d.gradient_codec,  # type: ignore[arg-type]
             hop=1,
             sender_node=d.node_id,
             eval=lease.eval,
         )
+        if config.model.bottleneck and config.pipeline.stages > 1:
+            # Stages after a bottleneck boundary re-add token embeddings from these.
+            header.tokens = encode_token_ids(tokens, config.model.vocab)
+        return header
 
     async def _process(self, lease: coordinator_pb2.LeaseReply) -> None:
         if lease.eval:
@@ -110,7 +120,7 @@ class Head:
         assert runtime is not None
         tokens, labels = self.corpus.samples(lease.sample_start, lease.sample_count)
         microbatch_id = f"{lease.step}:{lease.sample_start}:{lease.sample_count}"
-        header = self._header(lease, microbatch_id, labels)
+        header = self._header(lease, microbatch_id, tokens, labels)
         key = uuid.uuid4().hex
         d.in_flight += 1
         started = time.perf_counter()
@@ -182,7 +192,7 @@ class Head:
                 loss_sum, n_tokens = last.loss_sum, last.tokens
             else:
                 output = await d.compute.run(FORWARD, lambda: runtime.forward_eval(tokens))
-                header = self._header(lease, microbatch_id, labels)
+                header = self._header(lease, microbatch_id, tokens, labels)
                 hop = await self._send_with_retries(header, output)
                 if hop is None:
                     await self._release(lease, "every attempt to send it downstream failed")

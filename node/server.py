@@ -26,6 +26,7 @@ from swarmpipe.compression import get_codec
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError
+from swarmpipe.node.token_ids import decode_token_ids
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
 
@@ -114,6 +115,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         header: stage_pb2.MicrobatchHeader,
         activation: torch.Tensor,
         labels: torch.Tensor,
+        tokens: torch.Tensor | None,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[stage_pb2.BackwardMessage]:
         """An evaluation microbatch: forward only, the loss comes back without a gradient."""
@@ -124,13 +126,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         try:
             if runtime.is_last:
                 last = await d.compute.run(
-                    FORWARD, lambda: runtime.evaluate_last(activation, labels)
+                    FORWARD, lambda: runtime.evaluate_last(activation, labels, tokens)
                 )
                 result = stage_pb2.MicrobatchResult(
                     loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
                 )
             else:
-                output = await d.compute.run(FORWARD, lambda: runtime.forward_eval(activation))
+                output = await d.compute.run(
+                    FORWARD, lambda: runtime.forward_eval(activation, tokens)
+                )
                 downstream = stage_pb2.MicrobatchHeader()
                 downstream.CopyFrom(header)
                 downstream.hop = d.stage + 1
@@ -191,6 +195,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             runtime.check_activation(activation, header.sample_count)
             labels = decode_labels(header)
             runtime.check_labels(labels)
+            tokens = (
+                decode_token_ids(
+                    header.tokens, header.sample_count, header.context, d.config.model.vocab
+                )
+                if header.tokens
+                else None
+            )
+            runtime.check_tokens(tokens)
         except (PeerError, CodecError) as exc:
             logger.warning("refused a microbatch: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -201,7 +213,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"microbatch is for step {header.step}; this node is at step {runtime.step}",
             )
         if header.eval:
-            async for message in self._evaluate(header, activation, labels, context):
+            async for message in self._evaluate(header, activation, labels, tokens, context):
                 yield message
             return
         key = uuid.uuid4().hex
@@ -209,7 +221,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         try:
             if runtime.is_last:
                 last, seconds = await d.compute.run_timed(
-                    FORWARD, lambda: runtime.forward_last(header.microbatch_id, activation, labels)
+                    FORWARD,
+                    lambda: runtime.forward_last(header.microbatch_id, activation, labels, tokens),
                 )
                 d.links.record_compute(seconds)
                 grad_input = last.grad_input
@@ -218,7 +231,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 )
             else:
                 output, forward_s = await d.compute.run_timed(
-                    FORWARD, lambda: runtime.forward(key, header.microbatch_id, activation)
+                    FORWARD, lambda: runtime.forward(key, header.microbatch_id, activation, tokens)
                 )
                 downstream = stage_pb2.MicrobatchHeader()
                 downstream.CopyFrom(header)

@@ -10,6 +10,10 @@ microbatches, which is what lets the pipeline match single-process training.
 A microbatch contributes to this node's gradients at most once per step: when
 a sender resends one after a failure further up (the downstream part already
 ran), the repeat only computes the input gradient the sender needs.
+
+With `model.bottleneck` on, a stage after the first starts with an up-projection
+that re-adds token embeddings: it takes k-wide activations and the microbatch's
+token ids, and its input gradient is k wide too.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ class StageRuntime:
         self.is_last = stage == self.num_stages - 1
         self.module = build_stage(config, stage)
         self.module.train()
+        # Whether forward needs the microbatch's token ids beside the activations.
+        self.needs_tokens = self.module.needs_tokens
+        m = config.model
+        # What arrives from the previous stage is k wide after a bottleneck boundary.
+        self.input_width = m.bottleneck if m.bottleneck and not self.is_first else m.d_model
         t = config.train
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
@@ -87,7 +96,7 @@ class StageRuntime:
                 f"{sample_count} samples"
             )
         if not self.config.model.factory:
-            want = [sample_count, self.config.model.context, self.config.model.d_model]
+            want = [sample_count, self.config.model.context, self.input_width]
             if list(x.shape) != want:
                 raise PeerError(f"activation shape {list(x.shape)} is not the expected {want}")
         if not bool(torch.isfinite(x).all()):
@@ -98,6 +107,17 @@ class StageRuntime:
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
             raise PeerError(f"labels must be token ids in [0, {vocab})")
 
+    def check_tokens(self, tokens: torch.Tensor | None) -> None:
+        """Reject a microbatch without token ids when this stage re-adds token embeddings.
+
+        Their range is checked where they are decoded (node/token_ids.py).
+        """
+        if self.needs_tokens and tokens is None:
+            raise PeerError(
+                "this stage re-adds token embeddings (model.bottleneck) and needs the "
+                "microbatch's token ids in MicrobatchHeader.tokens; the sender sent none"
+            )
+
     # -- compute -----------------------------------------------------------
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,10 +125,15 @@ class StageRuntime:
             return x
         return x.detach().float().requires_grad_(True)
 
-    def forward(self, key: str, microbatch_id: str, x: torch.Tensor) -> torch.Tensor:
-        """Run the stage and keep the graph under `key` until backward or discard."""
+    def forward(
+        self, key: str, microbatch_id: str, x: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run the stage and keep the graph under `key` until backward or discard.
+
+        `tokens` [B, T] are the microbatch's ids, needed after a bottleneck boundary.
+        """
         inputs = self._prepare(x)
-        outputs: torch.Tensor = self.module(inputs)
+        outputs: torch.Tensor = self.module(inputs, tokens)
         self._saved[key] = _Saved(microbatch_id, inputs, outputs)
         return outputs.detach()
 
@@ -126,25 +151,31 @@ class StageRuntime:
         return self._backprop(saved, saved.outputs, grad)
 
     def forward_last(
-        self, microbatch_id: str, x: torch.Tensor, labels: torch.Tensor
+        self,
+        microbatch_id: str,
+        x: torch.Tensor,
+        labels: torch.Tensor,
+        tokens: torch.Tensor | None = None,
     ) -> LastStageResult:
         """The last stage: forward, loss, and backward at once."""
         inputs = self._prepare(x)
-        logits = self.module(inputs)
+        logits = self.module(inputs, tokens)
         loss = token_loss_sum(logits, labels)
         saved = _Saved(microbatch_id, inputs, logits)
         grad_input = self._backprop(saved, loss, None)
         return LastStageResult(grad_input, float(loss.detach()), labels.numel())
 
     @torch.no_grad()
-    def forward_eval(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_eval(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Forward only, for evaluation: nothing is saved and no gradient will come back."""
-        return self.module(x if self.is_first else x.float())  # type: ignore[no-any-return]
+        return self.module(x if self.is_first else x.float(), tokens)  # type: ignore[no-any-return]
 
     @torch.no_grad()
-    def evaluate_last(self, x: torch.Tensor, labels: torch.Tensor) -> LastStageResult:
+    def evaluate_last(
+        self, x: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> LastStageResult:
         """The last stage of an evaluation: forward and the summed token loss, no backward."""
-        logits = self.forward_eval(x)
+        logits = self.forward_eval(x, tokens)
         return LastStageResult(None, float(token_loss_sum(logits, labels)), labels.numel())
 
     def _backprop(

@@ -109,3 +109,24 @@ def test_replicated_stages_match_single_process_and_stay_equal(
     assert sorted(by_stage) == [0, 1, 2]
     assert all(len(digests) == 1 for digests in by_stage.values()), by_stage
     assert any(link["direction"] == "reduce" for link in report["links"])
+
+
+def test_bottleneck_pipeline_matches_single_process_and_sends_k_wide_activations(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    k, steps, context = 4, 8, 32
+    report = run_testnet(tmp_path, tiny, steps, f"model.bottleneck={k}")
+    baseline = train_single_process(
+        load_config(None, [*tiny, f"model.bottleneck={k}", f"train.steps={steps}"])
+    )
+    assert baseline[-1] < baseline[0] * 0.9, "the baseline did not learn; the test means nothing"
+    losses = [s["loss"] for s in report["steps"]]
+    assert len(losses) == steps
+    for step, (got, want) in enumerate(zip(losses, baseline, strict=True)):
+        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
+    c = report["counters"]
+    assert c["lost"] == 0 and c["committed"] == steps * 16
+    # Both hops carried k fp32 numbers per token each way, not d_model of them.
+    for direction in ("activation", "gradient"):
+        sent = sum(link["bytes"] for link in report["links"] if link["direction"] == direction)
+        assert sent == c["committed"] * 2 * context * k * 4, direction

@@ -250,3 +250,34 @@ def test_presence_is_visible_to_a_third_party_mqtt_client(procs, tiny) -> None: 
     finally:
         client.loop_stop()
         client.disconnect()
+
+
+def test_a_stage_after_a_bottleneck_needs_well_formed_token_ids(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    k = 4
+    coordinator = procs.coordinator(
+        *tiny, "pipeline.stages=2", "train.steps=1000", f"model.bottleneck={k}"
+    )
+    head, _ = procs.node("n0", coordinator)
+    _, info = procs.node("n1", coordinator)
+    os.killpg(head.pid, signal.SIGKILL)
+    with grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}") as channel:
+        stub = stage_pb2_grpc.StageStub(channel)
+        step = poll_until(lambda: _info_or_none(stub), 30, "the stage-1 node to serve").step
+        x = torch.randn(2, CONTEXT, k)
+        for tokens, words in [
+            (b"", "needs the microbatch's token ids"),
+            (bytes(2 * CONTEXT - 1), "token ids are 63 bytes"),
+        ]:
+            messages = _messages(step, x)
+            messages[0].microbatch.tokens = tokens
+            with pytest.raises(grpc.RpcError) as err:
+                _call(stub, messages)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in (err.value.details() or ""), err.value.details()
+        # One byte per token id, and the gradient that comes back is k wide.
+        messages = _messages(step, x)
+        messages[0].microbatch.tokens = bytes(range(2 * CONTEXT))
+        replies = _call(stub, messages)
+        assert replies[0].WhichOneof("kind") == "tensor"
+        assert list(replies[0].tensor.shape) == [2, CONTEXT, k]
+        assert replies[-1].result.tokens == 2 * CONTEXT

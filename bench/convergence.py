@@ -1,0 +1,453 @@
+"""`swarmpipe bench convergence`: held-out loss after N steps per codec at every stage boundary.
+
+Each setting trains the same model, data order and global batch in one process,
+with every stage a real `StageRuntime` (the node's own forward, backward and
+AdamW code) and every hop between stages through the wire form exactly as a
+node sends it: activations `encode_tensor` then `decode_tensor` on the way
+down, the activation gradients the same on the way up. No network and no
+scheduling, so the only difference between settings is what the codecs (and
+the bottleneck's architecture) do to the numbers, and a long run fits on one
+core. Settings: the codecs (`lossless`, `fp16`, `int8`, `int4`, `lowrank` once
+registered), the learned bottleneck `model.bottleneck=k` composed with a codec,
+and its full-width twin (k = d_model, lossless): the fair baseline for the
+bottleneck, since re-adding token embeddings changes the model too.
+
+Bytes per token are what crosses one hop per token, header included: the
+tensor (its TensorHeader plus payload) each way and, with the bottleneck, the
+token ids in the MicrobatchHeader. Labels (int32, in every setting alike)
+are reported apart. Writes `convergence.json` and `convergence.md` into
+`--out` after each finished setting (so a long run can be read before it
+ends) and prints the JSON at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import multiprocessing
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where it is used: `swarmpipe --help` stays fast
+    import torch
+
+    from swarmpipe.data import Corpus
+
+logger = logging.getLogger(__name__)
+
+CODEC_SETTINGS = ("lossless", "fp16", "int8", "int4", "lowrank")
+"""Settings that put one codec on both directions of every hop, in table order."""
+
+SETTING_KINDS = (*CODEC_SETTINGS, "bottleneck", "twin")
+"""What `--settings` may name: the codec settings, the bottleneck, and its full-width twin."""
+
+PROGRESS_EVERY = 100
+"""Steps between progress lines in the log."""
+
+EVAL_BATCH = 64
+"""Held-out samples per forward pass of an evaluation; bounds its memory."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BoundarySetting:
+    """One row of the table: what every stage boundary does to the tensors crossing it."""
+
+    kind: str
+    """The entry of SETTING_KINDS that asked for this row; orders the table."""
+    name: str
+    """The row's label, e.g. `int8` or `bottleneck-k4-int8`."""
+    activation_codec: str
+    """Codec of the activations sent downstream (a compression registry name)."""
+    gradient_codec: str
+    """Codec of the activation gradients sent back upstream."""
+    bottleneck: int = 0
+    """model.bottleneck for this row: 0 (the plain model) or the boundary width k."""
+
+
+def build_settings(
+    kinds: Sequence[str], d_model: int, bottleneck: int, bottleneck_codec: str
+) -> tuple[list[BoundarySetting], list[str]]:
+    """The rows `kinds` asks for, and a note for each one skipped (a codec not registered)."""
+    from swarmpipe.compression import CODECS_BY_NAME
+
+    settings: list[BoundarySetting] = []
+    notes: list[str] = []
+    for kind in kinds:
+        if kind not in SETTING_KINDS:
+            raise SystemExit(f"unknown setting {kind!r}; choose from {', '.join(SETTING_KINDS)}")
+        if kind == "bottleneck":
+            name = f"bottleneck-k{bottleneck}-{bottleneck_codec}"
+            settings.append(
+                BoundarySetting(
+                    kind=kind,
+                    name=name,
+                    activation_codec=bottleneck_codec,
+                    gradient_codec=bottleneck_codec,
+                    bottleneck=bottleneck,
+                )
+            )
+        elif kind == "twin":
+            settings.append(
+                BoundarySetting(
+                    kind=kind,
+                    name=f"twin-k{d_model}-lossless",
+                    activation_codec="lossless",
+                    gradient_codec="lossless",
+                    bottleneck=d_model,
+                )
+            )
+        elif kind not in CODECS_BY_NAME:
+            notes.append(f"{kind}: skipped, no codec of that name is registered in this build")
+        else:
+            settings.append(
+                BoundarySetting(kind=kind, name=kind, activation_codec=kind, gradient_codec=kind)
+            )
+    if bottleneck_codec not in CODECS_BY_NAME and "bottleneck" in kinds:
+        raise SystemExit(f"--bottleneck-codec {bottleneck_codec!r} is not a registered codec")
+    return settings, notes
+
+
+class SimulatedPipeline:
+    """Every stage of a run in this process, each hop between them through the wire codecs.
+
+    Microbatches and steps follow the pipeline's arithmetic (node/stage_runtime.py):
+    summed token losses, gradients accumulated per stage and divided by the step's
+    token count before each stage's own AdamW step.
+    """
+
+    def __init__(self, overrides: Sequence[str], setting: BoundarySetting) -> None:
+        from swarmpipe.config import load_config
+        from swarmpipe.node.stage_runtime import StageRuntime
+
+        self.config = load_config(None, [*overrides, f"model.bottleneck={setting.bottleneck}"])
+        self.setting = setting
+        self.block_size = self.config.pipeline.int8_block_size
+        self.runtimes = [StageRuntime(self.config, s) for s in range(self.config.pipeline.stages)]
+        self.hops = len(self.runtimes) - 1
+        # Bytes over every hop, and the tokens that crossed each hop, since the start.
+        self.wire = {"activation": 0, "gradient": 0, "token_ids": 0, "microbatch_header": 0}
+        self.hop_tokens = 0
+
+    def _cross(self, tensor: torch.Tensor, codec: str, direction: str | None) -> torch.Tensor:
+        """`tensor` as the next stage receives it; counts its bytes unless direction is None."""
+        from swarmpipe.compression import decode_tensor, encode_tensor
+
+        header, payload = encode_tensor(tensor, codec, block_size=self.block_size)
+        if direction is not None:
+            self.wire[direction] += header.ByteSize() + len(payload)
+        return decode_tensor(header, payload)
+
+    def _count_headers(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Count one hop's MicrobatchHeader bytes: labels, and the token ids if they travel."""
+        from swarmpipe.node.token_ids import encode_token_ids
+        from swarmpipe.protos import stage_pb2
+
+        vocab = self.config.model.vocab
+        ids = encode_token_ids(tokens, vocab) if self.setting.bottleneck else b""
+        # What node/head.py sends, without the ids and names whose size does not grow.
+        header = stage_pb2.MicrobatchHeader(
+            labels=labels.numpy().astype("<i4").tobytes(), tokens=ids
+        )
+        self.wire["microbatch_header"] += header.ByteSize()
+        if ids:
+            self.wire["token_ids"] += stage_pb2.MicrobatchHeader(tokens=ids).ByteSize()
+        self.hop_tokens += labels.numel()
+
+    def microbatch(
+        self, microbatch_id: str, tokens: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[float, int]:
+        """One microbatch down the stages and its gradient back up: (loss sum, tokens)."""
+        s = self.setting
+        x = tokens
+        for index, runtime in enumerate(self.runtimes[:-1]):
+            out = runtime.forward(f"{microbatch_id}/{index}", microbatch_id, x, tokens)
+            x = self._cross(out, s.activation_codec, "activation")
+            self._count_headers(tokens, labels)
+        last = self.runtimes[-1].forward_last(microbatch_id, x, labels, tokens)
+        grad = last.grad_input
+        for index in range(len(self.runtimes) - 2, -1, -1):
+            assert grad is not None  # only stage 0 returns no input gradient
+            grad = self._cross(grad, s.gradient_codec, "gradient")
+            grad = self.runtimes[index].backward(f"{microbatch_id}/{index}", grad)
+        return last.loss_sum, last.tokens
+
+    def train_step(self, step: int, corpus: Corpus) -> float:
+        """Step `step`: samples [step*G, (step+1)*G) in microbatches, then AdamW on every
+        stage; the step's mean token loss."""
+        t = self.config.train
+        loss_sum, tokens = 0.0, 0
+        for offset in range(0, t.global_batch, t.microbatch):
+            count = min(t.microbatch, t.global_batch - offset)
+            start = step * t.global_batch + offset
+            x, y = corpus.samples(start, count)  # each [count, T]
+            loss, n = self.microbatch(f"{step}:{start}:{count}", x, y)
+            loss_sum += loss
+            tokens += n
+        for runtime in self.runtimes:
+            runtime.apply_step(step)
+        return loss_sum / tokens
+
+    def evaluate(self, corpus: Corpus, count: int) -> float:
+        """Mean token loss on the first `count` held-out samples, through the forward codecs."""
+        import torch
+
+        from swarmpipe.model import token_loss_sum
+
+        x_all, y_all = corpus.heldout(count)  # each [count, T]
+        loss_sum = 0.0
+        with torch.no_grad():
+            for start in range(0, x_all.shape[0], EVAL_BATCH):
+                x = tokens = x_all[start : start + EVAL_BATCH]
+                for index, runtime in enumerate(self.runtimes):
+                    x = runtime.module(x if index == 0 else x.float(), tokens)
+                    if index < self.hops:
+                        x = self._cross(x, self.setting.activation_codec, None)
+                loss_sum += float(token_loss_sum(x, y_all[start : start + EVAL_BATCH]))
+        return loss_sum / y_all.numel()
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """Bytes per token crossing one hop, for each kind of traffic."""
+        n = max(self.hop_tokens, 1)
+        return {kind: total / n for kind, total in self.wire.items()}
+
+
+def train_setting(
+    overrides: Sequence[str],
+    setting: BoundarySetting,
+    steps: int,
+    eval_every: int,
+    eval_samples: int,
+) -> dict[str, Any]:
+    """Train one setting for `steps` steps; its losses, held-out curve, bytes and time."""
+    from swarmpipe.data import Corpus
+
+    started = time.perf_counter()
+    pipe = SimulatedPipeline(overrides, setting)
+    cfg = pipe.config
+    corpus = Corpus.load(cfg.data, cfg.model.context, cfg.train.seed)
+    train_losses: list[float] = []
+    curve: list[tuple[int, float]] = []
+    for step in range(steps):
+        train_losses.append(pipe.train_step(step, corpus))
+        done = step + 1
+        if done == steps or (eval_every and done % eval_every == 0):
+            curve.append((done, pipe.evaluate(corpus, eval_samples)))
+            logger.info(
+                "%s: step %d/%d train loss %.4f eval loss %.4f",
+                setting.name,
+                done,
+                steps,
+                train_losses[-1],
+                curve[-1][1],
+            )
+        elif done % PROGRESS_EVERY == 0:  # a long run shows its pace between evaluations
+            logger.info(
+                "%s: step %d/%d train loss %.4f after %.0f s",
+                setting.name,
+                done,
+                steps,
+                train_losses[-1],
+                time.perf_counter() - started,
+            )
+    return {
+        "setting": asdict(setting),
+        "eval_loss": curve[-1][1],
+        "eval_curve": curve,
+        "train_loss_last": train_losses[-1],
+        "train_losses": train_losses,
+        "bytes_per_token_per_hop": pipe.bytes_per_token(),
+        "hops": pipe.hops,
+        "parameters": sum(r.n_parameters for r in pipe.runtimes),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _start_worker(threads: int, log_level: int) -> None:
+    """A worker process's setup: its torch threads, and logging (it is an entry point)."""
+    import torch
+
+    from swarmpipe.logs import configure_logging
+
+    configure_logging(logging.getLevelName(log_level), who="bench convergence")
+    torch.set_num_threads(threads)
+
+
+def summarise(
+    rows: dict[str, dict[str, Any]], order: Sequence[str], twin: str | None
+) -> dict[str, dict[str, float]]:
+    """Per finished row: eval loss relative to lossless and to the twin, bytes ratio to lossless.
+
+    The activation figure a bottleneck saves is the tensor plus the token ids it needs.
+    """
+    base = rows.get("lossless")
+    out: dict[str, dict[str, float]] = {}
+    for name in order:
+        row = rows.get(name)
+        if row is None:
+            continue
+        b = row["bytes_per_token_per_hop"]
+        entry: dict[str, float] = {"activation_with_ids": b["activation"] + b["token_ids"]}
+        if base is not None:
+            bb = base["bytes_per_token_per_hop"]
+            entry["eval_loss_vs_lossless"] = row["eval_loss"] / base["eval_loss"] - 1
+            entry["activation_reduction_vs_lossless"] = bb["activation"] / (
+                b["activation"] + b["token_ids"]
+            )
+            entry["gradient_reduction_vs_lossless"] = bb["gradient"] / b["gradient"]
+        if twin is not None and twin in rows and row["setting"]["bottleneck"]:
+            entry["eval_loss_vs_twin"] = row["eval_loss"] / rows[twin]["eval_loss"] - 1
+        out[name] = entry
+    return out
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The table README.md's Convergence section shows, from a result of `serve`."""
+    lines = [
+        "| setting | k | held-out loss | vs lossless | vs twin "
+        "| activation B/token | token-id B/token | gradient B/token | activation bytes ÷ |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in result["order"]:
+        row = result["settings"].get(name)
+        if row is None:
+            continue
+        b = row["bytes_per_token_per_hop"]
+        s = result["summary"][name]
+
+        def pct(key: str, s: dict[str, float] = s) -> str:
+            return f"{100 * s[key]:+.2f}%" if key in s else "—"
+
+        reduction = s.get("activation_reduction_vs_lossless")
+        lines.append(
+            f"| {name} | {row['setting']['bottleneck'] or '—'} | {row['eval_loss']:.4f} "
+            f"| {pct('eval_loss_vs_lossless')} | {pct('eval_loss_vs_twin')} "
+            f"| {b['activation']:.2f} | {b['token_ids']:.2f} | {b['gradient']:.2f} "
+            f"| {f'{reduction:.1f}x' if reduction is not None else '—'} |"
+        )
+    notes = list(result["notes"])
+    labels = [
+        r["bytes_per_token_per_hop"]["microbatch_header"] for r in result["settings"].values()
+    ]
+    if labels:
+        notes.append(
+            "every setting also sends the labels in the microbatch header "
+            f"(about {min(labels):.2f} B/token per hop without token ids)"
+        )
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from swarmpipe.config import add_config_arguments
+
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per setting")
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTING_KINDS),
+        help=f"comma-separated rows, trained in this order, from {', '.join(SETTING_KINDS)}",
+    )
+    parser.add_argument(
+        "--bottleneck", type=int, default=4, help="width k of the bottleneck row's boundary"
+    )
+    parser.add_argument(
+        "--bottleneck-codec", default="int8", help="codec the bottleneck row composes with"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=500, help="held-out evaluation every N steps (0: end)"
+    )
+    parser.add_argument(
+        "--eval-samples", type=int, default=2048, help="held-out samples per evaluation"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="settings trained at once (processes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per job")
+    parser.add_argument(
+        "--out", default="bench-results/convergence", help="directory for the JSON and Markdown"
+    )
+    add_config_arguments(parser, with_file=False)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from swarmpipe.config import load_config
+
+    if args.steps < 1 or args.jobs < 1 or args.threads < 1 or args.eval_samples < 1:
+        raise SystemExit("--steps, --jobs, --threads and --eval-samples must be >= 1")
+    config = load_config(None, args.set)  # a bad --set fails here, before any work
+    if config.model.bottleneck:
+        raise SystemExit("leave model.bottleneck unset: the bottleneck and twin rows set it")
+    kinds = [k for k in args.settings.split(",") if k]
+    settings, notes = build_settings(
+        kinds, config.model.d_model, args.bottleneck, args.bottleneck_codec
+    )
+    if any(s.bottleneck for s in settings):
+        load_config(None, [*args.set, f"model.bottleneck={args.bottleneck}"])  # validate k
+    twin = next((s.name for s in settings if s.bottleneck == config.model.d_model), None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "format": "swarmpipe.bench.convergence/1",
+        "command": "swarmpipe bench convergence " + " ".join(_argv_of(args)),
+        "model": json.loads(config.to_json())["model"],
+        "train": json.loads(config.to_json())["train"],
+        "stages": config.pipeline.stages,
+        "block_size": config.pipeline.int8_block_size,
+        "steps": args.steps,
+        "eval_samples": args.eval_samples,
+        # The table's order is fixed; --settings orders the work (the first rows finish first).
+        "order": [s.name for s in sorted(settings, key=lambda s: SETTING_KINDS.index(s.kind))],
+        "notes": notes,
+        "settings": {},
+        "summary": {},
+        "complete": False,
+    }
+
+    def record(row: dict[str, Any]) -> None:
+        result["settings"][row["setting"]["name"]] = row
+        result["summary"] = summarise(result["settings"], result["order"], twin)
+        result["complete"] = len(result["settings"]) == len(settings)
+        (out / "convergence.json").write_text(json.dumps(result, indent=2))
+        (out / "convergence.md").write_text(markdown_table(result))
+        logger.info("%s done: eval loss %.4f", row["setting"]["name"], row["eval_loss"])
+
+    work = (args.steps, args.eval_every, args.eval_samples)
+    if args.jobs == 1:
+        _start_worker(args.threads, logging.getLogger().getEffectiveLevel())
+        for setting in settings:
+            record(train_setting(args.set, setting, *work))
+    else:
+        # spawn, not fork: the parent may hold torch threads, which fork does not copy safely.
+        with concurrent.futures.ProcessPoolExecutor(
+            max_workers=args.jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker,
+            initargs=(args.threads, logging.getLogger().getEffectiveLevel()),
+        ) as pool:
+            futures = [pool.submit(train_setting, args.set, s, *work) for s in settings]
+            for future in concurrent.futures.as_completed(futures):
+                record(future.result())
+    # Printed without the per-step losses, which the file keeps.
+    brief = {
+        **result,
+        "settings": {
+            name: {k: v for k, v in row.items() if k != "train_losses"}
+            for name, row in result["settings"].items()
+        },
+    }
+    print(json.dumps(brief, indent=2))
+    return 0
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    """The flags this run was given, to record how to reproduce it."""
+    argv = [
+        f"--steps {args.steps}",
+        f"--settings {args.settings}",
+        f"--bottleneck {args.bottleneck}",
+        f"--bottleneck-codec {args.bottleneck_codec}",
+        f"--eval-every {args.eval_every}",
+        f"--eval-samples {args.eval_samples}",
+    ]
+    return argv + [f"--set {s}" for s in args.set]
