@@ -16,12 +16,16 @@ from swarmpipe.ready import poll_until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
+@pytest.mark.parametrize("shared_folder", [False, True], ids=["coordinator", "shared-folder"])
 def test_a_stage_without_replicas_resumes_from_its_checkpoint(  # type: ignore[no-untyped-def]
-    procs, tiny, tmp_path: Path
+    procs, tiny, tmp_path: Path, shared_folder: bool
 ) -> None:
     steps, every = 100, 5
+    root = tmp_path / "shared" if shared_folder else tmp_path / "coordinator-state" / "checkpoints"
+    settings = [f"checkpoint.dir={root}"] if shared_folder else []
     coordinator = procs.coordinator(
         *tiny,
+        *settings,
         "pipeline.stages=2",
         f"train.steps={steps}",
         "coordinator.min_nodes=2",
@@ -37,8 +41,10 @@ def test_a_stage_without_replicas_resumes_from_its_checkpoint(  # type: ignore[n
         nodes = procs.nodes(2, coordinator)
         stage_of = {n.node_id: n.stage for n in status().nodes}
         victim = next(name for name, stage in stage_of.items() if stage == 1)
-        store = tmp_path / "coordinator-state" / "checkpoints" / "testnet" / "stage-1"
+        store = root / "testnet" / "stage-1"
         poll_until(lambda: list(store.glob("step-*.ckpt")), 180, "a checkpoint of stage 1")
+        # Kill between two checkpoints, so the stage loses a few steps.
+        poll_until(lambda: status().step % every >= 2, 60, "a step between checkpoints")
         os.killpg(nodes[victim].pid, signal.SIGKILL)
         killed_at = status().step
         saved = sorted(int(p.stem.split("-")[1]) for p in store.glob("step-*.ckpt"))
@@ -54,6 +60,7 @@ def test_a_stage_without_replicas_resumes_from_its_checkpoint(  # type: ignore[n
     assert info["step"] >= killed_at
     log = (tmp_path / "n2.log").read_text()
     assert f"resumed from its checkpoint of step {restored}" in log
+    assert "this stage lost the updates of steps" in log
     c = final.counters
     assert c.lost == 0 and c.outstanding == 0 and c.committed >= steps * 16
     n2 = next(n for n in final.nodes if n.node_id == "n2")
