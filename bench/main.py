@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "links": "lossless against auto codec choice with every link limited, beside both bounds",
     "churn": "seconds from a replica's SIGKILL until samples/s is back to 90%",
     "convergence": "held-out loss after N steps per boundary codec and learned bottleneck",
+    "join": "seconds from a node's start to taking traffic when it joins a running run",
 }
 """Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
 
