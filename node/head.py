@@ -149,6 +149,9 @@ class Head:
                     output,
                     codec=d.activation_codec,
                     block_size=config.pipeline.int8_block_size,
+                    channel_blocks=config.pipeline.int8_channel_blocks,
+                    topk_fraction=config.pipeline.topk_fraction,
+                    lowrank_rank=config.pipeline.lowrank_rank,
                     timeout=config.pipeline.hop_timeout_s,
                 )
             except HopError as exc:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from swarmpipe.compression import DEFAULT_LOWRANK_RANK, DEFAULT_TOPK_FRACTION
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
@@ -87,12 +88,22 @@ class Router:
         *,
         codec: int,
         block_size: int,
+        channel_blocks: bool = False,
+        topk_fraction: float = DEFAULT_TOPK_FRACTION,
+        lowrank_rank: int = DEFAULT_LOWRANK_RANK,
         timeout: float,
     ) -> HopResult:
         """Send one microbatch to a replica of `stage`; return its input gradient and result."""
         replica = self.pick(stage)
         peer = replica.node_id
-        encoded = await encode(activation, codec, block_size)
+        encoded = await encode(
+            activation,
+            codec,
+            block_size,
+            channel_blocks=channel_blocks,
+            topk_fraction=topk_fraction,
+            lowrank_rank=lowrank_rank,
+        )
         stub = stage_pb2_grpc.StageStub(self.channel(replica.address))
         self._in_flight[peer] += 1
         try:

@@ -163,6 +163,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         output,
                         codec=d.activation_codec,
                         block_size=d.config.pipeline.int8_block_size,
+                        channel_blocks=d.config.pipeline.int8_channel_blocks,
+                        topk_fraction=d.config.pipeline.topk_fraction,
+                        lowrank_rank=d.config.pipeline.lowrank_rank,
                         timeout=d.config.pipeline.hop_timeout_s,
                     )
                 except HopError as exc:
@@ -191,7 +194,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
         assert grad_input is not None
         codec = header.gradient_codec or d.gradient_codec
-        encoded = await encode(grad_input, codec, d.config.pipeline.int8_block_size)
+        encoded = await encode(
+            grad_input,
+            codec,
+            d.config.pipeline.int8_block_size,
+            channel_blocks=d.config.pipeline.int8_channel_blocks,
+            topk_fraction=d.config.pipeline.topk_fraction,
+            lowrank_rank=d.config.pipeline.lowrank_rank,
+        )
         yield stage_pb2.BackwardMessage(tensor=encoded.header)
         for chunk in encoded.chunks:
             yield stage_pb2.BackwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk))

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmpipe.compression import TensorAssembler, encode_tensor, iter_chunks
+from swarmpipe.compression import (
+    DEFAULT_LOWRANK_RANK,
+    DEFAULT_TOPK_FRACTION,
+    EncoderState,
+    TensorAssembler,
+    encode_tensor,
+    iter_chunks,
+)
 from swarmpipe.errors import PeerError
 from swarmpipe.protos import control_pb2, tensor_pb2
 
@@ -31,9 +38,29 @@ class EncodedTensor:
         return int(self.header.payload_bytes)
 
 
-async def encode(tensor: torch.Tensor, codec: int, block_size: int) -> EncodedTensor:
+async def encode(
+    tensor: torch.Tensor,
+    codec: int,
+    block_size: int,
+    *,
+    channel_blocks: bool = False,
+    topk_fraction: float = DEFAULT_TOPK_FRACTION,
+    lowrank_rank: int = DEFAULT_LOWRANK_RANK,
+    state: EncoderState | None = None,
+) -> EncodedTensor:
+    """`tensor` under `codec`, in chunks; `state` is the link and role's EncoderState, which
+    only the topk and lowrank codecs use (see swarmpipe.compression)."""
+
     def work() -> EncodedTensor:
-        header, payload = encode_tensor(tensor, codec, block_size=block_size)
+        header, payload = encode_tensor(
+            tensor,
+            codec,
+            block_size=block_size,
+            channel_blocks=channel_blocks,
+            topk_fraction=topk_fraction,
+            rank=lowrank_rank,
+            state=state,
+        )
         return EncodedTensor(header, list(iter_chunks(payload)))
 
     return await asyncio.to_thread(work)
