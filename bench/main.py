@@ -13,6 +13,8 @@ from typing import Any
 
 BENCHMARKS: dict[str, str] = {
     "pipeline": "testnet samples/s beside single-process training, wire bytes per codec",
+    "codecs": "each codec's wire bytes, MB/s and error on activation/gradient tensors, "
+    "beside hivemind's codecs when importable",
 }
 """Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
 
