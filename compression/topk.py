@@ -90,7 +90,7 @@ class TopKCodec(TensorCodec):
             positions = _largest(flat, k)
             values.copy_(flat[positions])
         else:
-            with state.hold((n,), dtype, flat.device):
+            with state.hold(tuple(header.shape), dtype, flat.device):
                 # fp32 working copy: the residual is fp32, and it must not touch the input.
                 x = state.with_residual(flat.to(torch.float32, copy=True))
                 positions = _largest(x, k)

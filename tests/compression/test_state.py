@@ -53,6 +53,25 @@ def test_memory_stays_bounded_over_many_tensors(codec: str) -> None:
     assert sum(t.numel() for t in held) <= 64 * 48 + 48 * 2
 
 
+def test_switching_codec_on_a_link_keeps_what_is_owed() -> None:
+    # Per-link codec choice may move a link from top-k to low-rank: same shape, so the
+    # residual carries over and is paid by the low-rank tensor.
+    state = EncoderState(error_feedback=True)
+    x = torch.randn(64, 48, generator=_gen(8))
+    encode_tensor(x, "topk", topk_fraction=0.05, state=state)
+    owed = state.residual
+    assert owed is not None
+    y = torch.randn(64, 48, generator=_gen(9))
+    fresh = EncoderState(error_feedback=True)
+    with_owed = decode_tensor(*encode_tensor(y, "lowrank", rank=2, state=state))
+    without = decode_tensor(*encode_tensor(y, "lowrank", rank=2, state=fresh))
+    assert state.resets == 0
+    assert not torch.equal(with_owed, without)
+    assert state.residual is not None and fresh.residual is not None
+    sent = (y.reshape(-1) + owed) - with_owed.reshape(-1)
+    assert torch.allclose(sent, state.residual, atol=1e-5)
+
+
 def test_reset_forgets_residual_and_warm_start() -> None:
     state = EncoderState(error_feedback=True)
     x = torch.randn(64, 48, generator=_gen(4))
