@@ -18,6 +18,8 @@ BENCHMARKS: dict[str, str] = {
     "churn": "seconds from a replica's SIGKILL until samples/s is back to 90%",
     "convergence": "held-out loss after N steps per boundary codec and learned bottleneck",
     "join": "seconds from a node's start to taking traffic when it joins a running run",
+    "codecs": "each codec's wire bytes, MB/s and error on activation/gradient tensors, "
+    "beside hivemind's codecs when importable",
 }
 """Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
 

@@ -1,13 +1,25 @@
 """Blockwise absmax quantisation, shared by the int8 and int4 codecs.
 
-The flat tensor is cut into blocks of `block_size` elements (the last one may be short). Each
-block sends one fp32 scale `s = absmax / qmax` and its elements as integer codes in
-[-qmax, qmax]: `round(x / s)`, off by at most `s / 2`, or with stochastic rounding
-`floor(x / s + u)` for u uniform in [0, 1), off by less than `s` but unbiased. A block of small
-values keeps its precision even next to a block of outliers, which one scale for the whole
-tensor would not.
+The tensor is cut into blocks of up to `block_size` elements. Each block sends one fp32 scale
+`s = absmax / qmax` and its elements as integer codes in [-qmax, qmax]: `round(x / s)`, off by
+at most `s / 2`, or with stochastic rounding `floor(x / s + u)` for u uniform in [0, 1), off by
+less than `s` but unbiased. A block of small values keeps its precision even next to a block
+of outliers, which one scale for the whole tensor would not.
 
-Payload: `n_blocks` little-endian fp32 scales, then the codes as the subclass packs them.
+Two layouts, named in the header:
+- flat (default): blocks of `block_size` consecutive elements of the flattened tensor, the
+  last one possibly short;
+- channel blocks (`channel_blocks`): the tensor is viewed as [rows, channels] (channels its
+  last dimension) and each block is up to `block_size` consecutive rows of one channel. The
+  outlier channels of transformer activations then get blocks of their own instead of
+  coarsening every block they cross: on 8x512x1024 with 1% of channels x20, int8's relative
+  error drops from 0.027 to 0.007 at the same bytes. The sender uses it only where
+  rows >= block_size (else per-channel scales would cost more than flat blocks).
+
+Payload: the fp32 scales (flat: one per block in order; channel blocks: [ceil(rows /
+block_size), channels] row-major), then the codes in the tensor's element order as the
+subclass packs them. The codes are in element order in both layouts, so the layout costs no
+transpose: only the scales are indexed differently.
 
 Known failure mode: a block holding inf or NaN decodes to all NaN. Integer codes cannot carry
 either, and NaN downstream is the honest signal that the step is broken.
@@ -17,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -31,10 +44,28 @@ from swarmpipe.protos import tensor_pb2
 # costs kernel launches, and its passes never hit a cache anyway.
 _CPU_PIECE_ELEMENTS = 1 << 19
 
+_TINY_ABSMAX = 2.0**-100
+"""Blocks with a smaller absmax are lifted by `_LIFT` before quantising (see `_encode_flat`)."""
+_LIFT = 2.0**64
+
 
 def n_blocks(n: int, block_size: int) -> int:
     """Blocks needed for `n` elements, the last one possibly short."""
     return -(-n // block_size)
+
+
+def tiling(shape: Sequence[int], block_size: int, channel_blocks: bool) -> tuple[int, int, int]:
+    """(rows, channels, rows per block) of the layout: flat blocks are the one-channel case."""
+    n = numel(shape)
+    if channel_blocks and shape:
+        return numel(shape[:-1]), shape[-1], block_size
+    return n, 1, block_size
+
+
+def n_scales(shape: Sequence[int], block_size: int, channel_blocks: bool) -> int:
+    """Scales (blocks) a tensor of this shape takes in this layout."""
+    rows, channels, bs = tiling(shape, block_size, channel_blocks)
+    return n_blocks(rows, bs) * channels if rows and channels else 0
 
 
 class BlockwiseCodec(TensorCodec):
@@ -66,11 +97,26 @@ class BlockwiseCodec(TensorCodec):
 
     def expected_payload_bytes(self, header: tensor_pb2.TensorHeader) -> int:
         n = numel(header.shape)
-        return 4 * n_blocks(n, header.block_size) + self._code_bytes(n)
+        scales = n_scales(header.shape, header.block_size, header.channel_blocks)
+        return 4 * scales + self._code_bytes(n)
+
+    def _encode_with_header(
+        self, flat: torch.Tensor, header: tensor_pb2.TensorHeader, rounding: Rounding
+    ) -> torch.Tensor:
+        shape = list(header.shape)
+        if header.channel_blocks and numel(shape[:-1]) < header.block_size:
+            header.channel_blocks = False  # fewer rows than a block: flat blocks are smaller
+        rows, channels, block_size = tiling(shape, header.block_size, header.channel_blocks)
+        return self._encode_tiles(flat, rows, channels, block_size, rounding)
 
     def _encode_flat(self, flat: torch.Tensor, block_size: int, rounding: Rounding) -> torch.Tensor:
+        return self._encode_tiles(flat, flat.numel(), 1, block_size, rounding)
+
+    def _encode_tiles(
+        self, flat: torch.Tensor, rows: int, channels: int, block_size: int, rounding: Rounding
+    ) -> torch.Tensor:
         n = flat.numel()
-        nb = n_blocks(n, block_size)
+        nb = n_blocks(rows, block_size) * channels if n else 0
         out = torch.empty(4 * nb + self._code_bytes(n), dtype=torch.uint8, device=flat.device)
         scales = out[: 4 * nb].view(torch.float32)  # offset 0, so the fp32 view is aligned
         codes = out[4 * nb :]
@@ -82,14 +128,23 @@ class BlockwiseCodec(TensorCodec):
         # over fp16/bf16 are 5x slower than the copy) and then quantised in place.
         x = flat.float()
         owned = x is not flat
-        absmax = _block_absmax(x, block_size)
+        absmax = _block_absmax(x, block_size, channels)
         torch.div(absmax, qmax, out=scales)
         # Multiplying by the reciprocal is cheaper than dividing every element; an all-zero
         # block gets factor 0 (codes 0) rather than 0/0. For an inf or NaN block the factor
         # is 0 or NaN and the scale inf or NaN, so the block decodes to NaN as documented.
         factor = torch.where(absmax > 0, absmax.reciprocal().mul_(qmax), 0.0)
-        # Pieces start on a block and on a byte of codes.
-        unit = math.lcm(block_size, self.codes_per_byte)
+        # Below an absmax of about qmax / fp32's max (4e-37) that factor overflows to inf and
+        # the block would come back as zeros. Such blocks (gradients that all but vanished)
+        # are first lifted by 2^64, which is exact, and their factor lowered by as much.
+        lift = None
+        tiny = (absmax > 0) & (absmax < _TINY_ABSMAX)
+        if bool(tiny.any()):
+            lift = torch.where(tiny, _LIFT, 1.0)
+            factor = torch.where(tiny, (absmax * _LIFT).reciprocal().mul_(qmax), factor)
+        # Pieces start on a row of blocks and on a byte of codes.
+        tile = block_size * channels
+        unit = math.lcm(tile, self.codes_per_byte)
         step = _piece_elements(n, unit, x.device)
         scratch = None if owned else torch.empty(step, dtype=torch.float32, device=x.device)
         noise = None
@@ -98,7 +153,12 @@ class BlockwiseCodec(TensorCodec):
         for start in range(0, n, step):
             stop = min(n, start + step)
             y = x[start:stop] if scratch is None else scratch[: stop - start]
-            _mul_per_block(x[start:stop], factor[start // block_size :], y, block_size)
+            piece = x[start:stop]
+            first = start // tile * channels
+            if lift is not None:
+                _mul_per_block(piece, lift[first:], y, block_size, channels)
+                piece = y
+            _mul_per_block(piece, factor[first:], y, block_size, channels)
             if noise is None:
                 # Rounding in fp32 keeps |y| <= qmax (the products exceed qmax by a few ulp at
                 # most), so the integer copy cannot wrap; torch.round rounds half to even.
@@ -114,8 +174,9 @@ class BlockwiseCodec(TensorCodec):
 
     def _decode_flat(self, header: tensor_pb2.TensorHeader, raw: torch.Tensor) -> torch.Tensor:
         n = numel(header.shape)
-        block_size = header.block_size
-        nb = n_blocks(n, block_size)
+        nb = n_scales(header.shape, header.block_size, header.channel_blocks)
+        _, channels, block_size = tiling(header.shape, header.block_size, header.channel_blocks)
+        tile = block_size * channels
         scales = raw[: 4 * nb].view(torch.float32)
         codes = self._load(raw[4 * nb :], n)
         dtype = header_dtype(header)
@@ -123,15 +184,15 @@ class BlockwiseCodec(TensorCodec):
             # Widening and then scaling in place beats a mixed int8 * fp32 multiply 2x on CPU;
             # the result is the working memory, so whole-tensor passes are fastest here.
             out = codes.to(torch.float32)
-            _mul_per_block(out, scales, out, block_size)
+            _mul_per_block(out, scales, out, block_size, channels)
             return out
         out = torch.empty(n, dtype=dtype, device=raw.device)
-        step = _piece_elements(n, block_size, raw.device)
+        step = _piece_elements(n, tile, raw.device)
         scratch = torch.empty(step, dtype=torch.float32, device=raw.device)
         for start in range(0, n, step):
             stop = min(n, start + step)
             y = scratch[: stop - start].copy_(codes[start:stop])
-            _mul_per_block(y, scales[start // block_size :], y, block_size)
+            _mul_per_block(y, scales[start // tile * channels :], y, block_size, channels)
             out[start:stop].copy_(y)  # the one rounding to fp16/bf16
         return out
 
@@ -144,33 +205,54 @@ def _piece_elements(n: int, unit: int, device: torch.device) -> int:
     return min(max(n, 1), max(1, _CPU_PIECE_ELEMENTS // unit) * unit)
 
 
-def _block_absmax(x: torch.Tensor, bs: int) -> torch.Tensor:
-    """max |x| of each block of flat fp32 `x`."""
+def _block_absmax(x: torch.Tensor, bs: int, channels: int) -> torch.Tensor:
+    """max |x| of each block of flat fp32 `x`, a [rows, channels] matrix in blocks of `bs`
+    rows of one channel (channels = 1: blocks of `bs` consecutive elements)."""
     n = x.numel()
-    full = n // bs * bs
+    tile = bs * channels
+    full = n // tile * tile
     parts = []
     # max(amax, -amin) spares the tensor-sized temporary that abs() would allocate.
     if full:
-        blocks = x[:full].view(-1, bs)
-        parts.append(torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()))
+        if channels == 1:
+            blocks = x[:full].view(-1, bs)
+            parts.append(torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()))
+        else:
+            tiles = x[:full].view(-1, bs, channels)
+            both = torch.maximum(tiles.amax(dim=1), tiles.amin(dim=1).neg_())
+            parts.append(both.view(-1))
     if full < n:
-        tail = x[full:]
-        parts.append(torch.maximum(tail.amax(0, keepdim=True), tail.amin(0, keepdim=True).neg_()))
+        tail = x[full:].view(-1, channels)
+        parts.append(torch.maximum(tail.amax(0), tail.amin(0).neg_()))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _mul_per_block(
-    values: torch.Tensor, per_block: torch.Tensor, out: torch.Tensor, bs: int
+    values: torch.Tensor, per_block: torch.Tensor, out: torch.Tensor, bs: int, channels: int
 ) -> None:
-    """`out = values * per_block[block of each element]` for a flat piece starting at a block
-    boundary (`out` may be `values`): whole blocks as one [blocks, bs] broadcast and a short
-    last block on its own, so nothing is padded."""
+    """`out = values * per_block[block of each element]` for a flat piece starting at a row
+    of blocks (`out` may be `values`): whole rows of blocks as one broadcast and short last
+    blocks on their own, so nothing is padded. Layout as in `_block_absmax`."""
     n = values.numel()
-    whole = n // bs
-    full = whole * bs
+    tile = bs * channels
+    whole = n // tile
+    full = whole * tile
     if whole:
-        torch.mul(
-            values[:full].view(whole, bs), per_block[:whole, None], out=out[:full].view(whole, bs)
-        )
+        if channels == 1:
+            torch.mul(
+                values[:full].view(whole, bs),
+                per_block[:whole, None],
+                out=out[:full].view(whole, bs),
+            )
+        else:
+            torch.mul(
+                values[:full].view(whole, bs, channels),
+                per_block[: whole * channels].view(whole, 1, channels),
+                out=out[:full].view(whole, bs, channels),
+            )
     if full < n:
-        torch.mul(values[full:], per_block[whole : whole + 1], out=out[full:])
+        torch.mul(
+            values[full:].view(-1, channels),
+            per_block[whole * channels : (whole + 1) * channels].view(1, channels),
+            out=out[full:].view(-1, channels),
+        )

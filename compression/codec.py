@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from swarmpipe.compression.state import EncoderState
 from swarmpipe.errors import CodecError
 from swarmpipe.protos import tensor_pb2
 
@@ -25,6 +26,12 @@ if sys.byteorder != "little":
 
 DEFAULT_BLOCK_SIZE = 256
 """Elements per absmax block of blockwise codecs unless the caller says otherwise."""
+
+DEFAULT_TOPK_FRACTION = 0.01
+"""Share of a tensor's entries the top-k codec keeps unless the caller says otherwise."""
+
+DEFAULT_LOWRANK_RANK = 8
+"""Columns of each factor the low-rank codec sends unless the caller says otherwise."""
 
 MAX_DIMS = 64
 """Most dimensions a header may give; no model tensor comes near, so more is a bug or hostile."""
@@ -103,6 +110,12 @@ def describe(header: tensor_pb2.TensorHeader) -> str:
         codec_text = f"codec enum {header.codec}"
     if header.block_size:
         codec_text += f" block {header.block_size}"
+    if header.channel_blocks:
+        codec_text += " down channels"
+    if header.kept:
+        codec_text += f" keeping {header.kept}"
+    if header.rank:
+        codec_text += f" rank {header.rank}"
     if header.entropy == tensor_pb2.ENTROPY_ZSTD:
         codec_text += " + zstd"
     elif header.entropy != tensor_pb2.ENTROPY_NONE:
@@ -127,17 +140,42 @@ class TensorCodec(abc.ABC):
     """Whether the header's block_size means something to this codec."""
     rounds: ClassVar[bool] = False
     """Whether the codec quantises, and so can round stochastically."""
+    stateful: ClassVar[bool] = False
+    """Whether the codec encodes through `_encode_stateful` and can use an EncoderState."""
+    header_fields: ClassVar[frozenset[str]] = frozenset()
+    """Codec-specific TensorHeader fields (`kept`, `rank`) this codec sets; others must be 0."""
 
     @abc.abstractmethod
     def expected_payload_bytes(self, header: tensor_pb2.TensorHeader) -> int:
         """Payload length a valid header implies; call `check_header` first."""
 
-    @abc.abstractmethod
     def _encode_flat(self, flat: torch.Tensor, block_size: int, rounding: Rounding) -> torch.Tensor:
-        """The payload of a 1-D tensor as a 1-D uint8 tensor on the input's device.
+        """The payload of a 1-D tensor as a 1-D uint8 tensor on the input's device; every
+        codec that is not `stateful` implements it.
 
         `flat` may share memory with the caller's tensor and must not be modified.
         """
+        raise NotImplementedError(f"the {self.name} codec encodes through _encode_stateful")
+
+    def _encode_with_header(
+        self, flat: torch.Tensor, header: tensor_pb2.TensorHeader, rounding: Rounding
+    ) -> torch.Tensor:
+        """`_encode_flat` for codecs whose layout depends on the header (shape, channel
+        blocks), which they may also adjust."""
+        return self._encode_flat(flat, header.block_size, rounding)
+
+    def _encode_stateful(
+        self,
+        flat: torch.Tensor,
+        header: tensor_pb2.TensorHeader,
+        *,
+        topk_fraction: float,
+        rank: int,
+        state: EncoderState | None,
+    ) -> torch.Tensor:
+        """Like `_encode_flat` for `stateful` codecs, which also set their `header_fields`
+        and read and update `state` (None: encode as if it were fresh, remember nothing)."""
+        raise NotImplementedError(f"the {self.name} codec encodes through _encode_flat")
 
     @abc.abstractmethod
     def _decode_flat(self, header: tensor_pb2.TensorHeader, raw: torch.Tensor) -> torch.Tensor:
@@ -152,12 +190,19 @@ class TensorCodec(abc.ABC):
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         rounding: Rounding = NEAREST,
+        channel_blocks: bool = False,
+        topk_fraction: float = DEFAULT_TOPK_FRACTION,
+        rank: int = DEFAULT_LOWRANK_RANK,
+        state: EncoderState | None = None,
     ) -> tuple[tensor_pb2.TensorHeader, bytes]:
         """The header (crc32 left 0: the wire sets it) and payload bytes of `tensor`.
 
         Works on any device; the arithmetic runs where the tensor is and only the payload is
-        copied to host memory. `block_size` is ignored by codecs that are not blockwise;
-        stochastic `rounding` is refused by codecs that do not quantise.
+        copied to host memory. `block_size` and `channel_blocks` (blocks down the rows of
+        each channel, see blockwise.py) are ignored by codecs that are not blockwise,
+        `topk_fraction` by all but top-k, `rank` by all but low-rank, and `state` by codecs
+        that are not `stateful`; stochastic `rounding` is refused by codecs that do not
+        quantise.
         """
         if tensor.dtype not in self.dtypes:
             integer = tensor.dtype in _DTYPE_ENUMS and not tensor.dtype.is_floating_point
@@ -178,6 +223,7 @@ class TensorCodec(abc.ABC):
             codec=self.codec_id,
             block_size=block_size if self.blockwise else 0,
             stochastic_rounding=rounding.stochastic,
+            channel_blocks=channel_blocks and self.blockwise,
         )
         # reshape copies only when the tensor is not contiguous; detach lets .numpy() work on
         # tensors that require grad without copying them.
@@ -186,7 +232,12 @@ class TensorCodec(abc.ABC):
             # An empty tensor can have stride 0 (torch.from_numpy of an empty array does),
             # which dtype views refuse.
             flat = flat.new_empty(0)
-        raw = self._encode_flat(flat, header.block_size, rounding)
+        if self.stateful:
+            raw = self._encode_stateful(
+                flat, header, topk_fraction=topk_fraction, rank=rank, state=state
+            )
+        else:
+            raw = self._encode_with_header(flat, header, rounding)
         payload = raw.cpu().numpy().tobytes()
         header.payload_bytes = len(payload)
         return header, payload
@@ -254,10 +305,20 @@ class TensorCodec(abc.ABC):
             raise CodecError(f"tensor header has a negative dimension ({describe(header)})")
         if self.blockwise and header.block_size < 1:
             raise CodecError(f"tensor header needs block_size >= 1 ({describe(header)})")
+        if not self.blockwise and header.channel_blocks:
+            raise CodecError(
+                f"tensor header has channel blocks but the codec has no blocks ({describe(header)})"
+            )
         if not self.blockwise and header.block_size:
             raise CodecError(
                 f"tensor header has a block_size but the codec has no blocks ({describe(header)})"
             )
+        for name in ("kept", "rank"):
+            if getattr(header, name) and name not in self.header_fields:
+                raise CodecError(
+                    f"tensor header sets {name} but the {self.name} codec has no use for it "
+                    f"({describe(header)})"
+                )
         if not self.rounds and header.stochastic_rounding:
             raise CodecError(
                 "tensor header says stochastic rounding but the codec does not quantise "

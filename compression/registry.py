@@ -14,6 +14,8 @@ from swarmpipe.compression.blockwise_int4 import BlockwiseInt4Codec
 from swarmpipe.compression.blockwise_int8 import BlockwiseInt8Codec
 from swarmpipe.compression.casts import Bf16Codec, Fp16Codec, LosslessCodec
 from swarmpipe.compression.codec import TensorCodec
+from swarmpipe.compression.lowrank import LowRankCodec
+from swarmpipe.compression.topk import TopKCodec
 from swarmpipe.errors import CodecError
 from swarmpipe.protos import tensor_pb2
 
@@ -23,6 +25,8 @@ _ALL: tuple[TensorCodec, ...] = (
     Bf16Codec(),
     BlockwiseInt8Codec(),
     BlockwiseInt4Codec(),
+    TopKCodec(),
+    LowRankCodec(),
 )
 
 
@@ -49,7 +53,7 @@ CODECS: Mapping[int, TensorCodec] = MappingProxyType({codec.codec_id: codec for 
 """Each tensor_pb2.Codec value (but CODEC_UNSPECIFIED) to its codec."""
 
 CODECS_BY_NAME: Mapping[str, TensorCodec] = MappingProxyType({codec.name: codec for codec in _ALL})
-"""Each codec by its config name: lossless, fp16, bf16, int8, int4."""
+"""Each codec by its config name: lossless, fp16, bf16, int8, int4, topk, lowrank."""
 
 
 def get_codec(codec: int | str) -> TensorCodec:

@@ -21,6 +21,8 @@ import torch
 from swarmpipe.compression import entropy as entropy_stage
 from swarmpipe.compression.codec import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_LOWRANK_RANK,
+    DEFAULT_TOPK_FRACTION,
     NEAREST,
     Rounding,
     TensorCodec,
@@ -29,6 +31,7 @@ from swarmpipe.compression.codec import (
     numel,
 )
 from swarmpipe.compression.registry import get_codec
+from swarmpipe.compression.state import EncoderState
 from swarmpipe.errors import CodecError
 from swarmpipe.protos import tensor_pb2
 
@@ -47,16 +50,33 @@ def encode_tensor(
     block_size: int = DEFAULT_BLOCK_SIZE,
     rounding: Rounding = NEAREST,
     entropy: int | str = "none",
+    channel_blocks: bool = False,
+    topk_fraction: float = DEFAULT_TOPK_FRACTION,
+    rank: int = DEFAULT_LOWRANK_RANK,
+    state: EncoderState | None = None,
 ) -> tuple[tensor_pb2.TensorHeader, bytes]:
     """The complete header (crc32 included) and payload of `tensor` under `codec`.
 
     `codec` is a tensor_pb2.Codec value or a config name ("lossless", "fp16", "bf16", "int8",
-    "int4"); `block_size` matters only to blockwise codecs, and stochastic `rounding` only to
-    int8 and int4 (other codecs refuse it). `entropy` ("none", "zstd" or a tensor_pb2.Entropy
-    value) passes the payload through a lossless stage, kept only where it shrinks it.
+    "int4", "topk", "lowrank"); `block_size` and `channel_blocks` (blocks down each channel of
+    the last dimension rather than along the flat tensor: far better with outlier channels)
+    matter only to blockwise codecs, and stochastic `rounding` only to int8 and int4 (other
+    codecs refuse it). `topk_fraction` is the share of
+    entries top-k keeps and `rank` the factor width of low-rank; `state` (an EncoderState the
+    caller keeps per link and role) gives those two error feedback and warm starts, and other
+    codecs ignore it. `entropy` ("none", "zstd" or a tensor_pb2.Entropy value) passes the
+    payload through a lossless stage, kept only where it shrinks it.
     """
     stage = entropy_stage.entropy_enum(entropy)  # an unknown name fails before the work
-    header, payload = get_codec(codec).encode(tensor, block_size=block_size, rounding=rounding)
+    header, payload = get_codec(codec).encode(
+        tensor,
+        block_size=block_size,
+        rounding=rounding,
+        channel_blocks=channel_blocks,
+        topk_fraction=topk_fraction,
+        rank=rank,
+        state=state,
+    )
     header, payload = entropy_stage.compress(header, payload, stage)
     header.crc32 = zlib.crc32(payload)
     return header, payload

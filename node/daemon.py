@@ -42,7 +42,7 @@ from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.state_transfer import StateTransfer
-from swarmpipe.node.transport import LinkStats
+from swarmpipe.node.transport import EncodeOptions, LinkStats
 from swarmpipe.protos import (
     control_pb2,
     coordinator_pb2,
@@ -212,7 +212,7 @@ class NodeDaemon:
                 link_mbit = self.config.pipeline.link_mbit
             self.links.configure(
                 limit_bytes_per_second=link_mbit * MBIT,
-                block_size=self.config.pipeline.int8_block_size,
+                options=EncodeOptions.from_pipeline(self.config.pipeline),
             )
             config, stage = self.config, self.stage
             self.runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))

@@ -214,7 +214,6 @@ class Head:
                 header,
                 output,
                 codec=d.activation_codec,
-                block_size=config.pipeline.int8_block_size,
                 attempts=HOP_ATTEMPTS,
                 backoff_s=BACKOFF_START_S,
                 backoff_max_s=BACKOFF_MAX_S,

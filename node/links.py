@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
-from swarmpipe.compression import DEFAULT_BLOCK_SIZE
+from swarmpipe.compression import EncoderState
 from swarmpipe.compression.link_choice import CodecChooser, candidates, wire_bytes
 from swarmpipe.config import codec_name
 from swarmpipe.node.link_limit import TokenBucket
 from swarmpipe.node.link_meter import BandwidthMeter, RecentMedian
+from swarmpipe.node.transport import EncodeOptions
 from swarmpipe.protos import control_pb2
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class _Direction:
 
     codec: int = 0
     chooser: CodecChooser | None = None
+    encoder: EncoderState | None = None
+    """The topk/lowrank codecs' residual and warm start for this direction (made on first use)."""
     wire_bytes: int = 0
     changes: deque[control_pb2.CodecChange] = field(
         default_factory=lambda: deque(maxlen=MAX_CHANGES)
@@ -118,16 +121,29 @@ class Links:
         self._wall_clock = wall_clock
         self._links: dict[str, _Link] = {}
         self.limit_bytes_per_second = 0.0
-        self.block_size = DEFAULT_BLOCK_SIZE
+        self.options = EncodeOptions()
+        """The run's codec parameters, for encoding and for sizing the auto choice."""
         self.compute = RecentMedian()
         """Seconds of forward plus backward per microbatch on this node (median of the last
         few): the time budget a tensor's transfer must fit in for the link not to slow the
         pipeline."""
 
-    def configure(self, *, limit_bytes_per_second: float, block_size: int) -> None:
-        """Set the send limit (0: none) and the blockwise codecs' block size, before any send."""
+    def configure(self, *, limit_bytes_per_second: float, options: EncodeOptions) -> None:
+        """Set the send limit (0: none) and the run's codec parameters, before any send."""
         self.limit_bytes_per_second = limit_bytes_per_second
-        self.block_size = block_size
+        self.options = options
+
+    def encoder_state(self, peer: str, direction: str) -> EncoderState:
+        """The stateful codecs' memory for what this node sends `peer` in `direction`.
+
+        Gradients carry what a codec dropped into the next one (error feedback);
+        activations keep only the low-rank warm start, since each microbatch's
+        activation is a different input and a residual from the last would be noise.
+        """
+        state = self._direction(peer, direction)
+        if state.encoder is None:
+            state.encoder = EncoderState(error_feedback=direction != "activation")
+        return state.encoder
 
     def _link(self, peer: str) -> _Link:
         link = self._links.get(peer)
@@ -168,7 +184,9 @@ class Links:
             if state.chooser is None:
                 state.chooser = CodecChooser(candidates(tensor.dtype))
             chooser = state.chooser
-            sizes = wire_bytes(chooser.codec_ids, tensor.shape, tensor.dtype, self.block_size)
+            sizes = wire_bytes(
+                chooser.codec_ids, tensor.shape, tensor.dtype, self.options.block_size
+            )
             codec = chooser.update(sizes, bytes_per_second=bandwidth, budget_seconds=budget)
         if codec != state.codec:
             if state.codec:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarmpipe.compression import decode_tensor
+from swarmpipe.compression import EncoderState, decode_tensor
 from swarmpipe.config import codec_enum
 from swarmpipe.errors import PeerError
 from swarmpipe.node import fault_points
@@ -72,6 +72,9 @@ class ReplicaSync:
         self.daemon = daemon
         self._rounds: dict[tuple[int, bool], _Round] = {}
         self._arrived = asyncio.Event()
+        # With a topk or lowrank reduce_codec: what it dropped from this replica's sums,
+        # carried into the next one (error feedback).
+        self._encoder = EncoderState(error_feedback=True)
 
     def _peers(self) -> dict[str, str]:
         """Other live replicas of this node's stage in the current plan: node id -> address."""
@@ -218,7 +221,7 @@ class ReplicaSync:
         assert config is not None
         peers = self._peers()
         codec = codec_enum(config.pipeline.reduce_codec)
-        encoded = await encode(own[0], codec, config.pipeline.int8_block_size)
+        encoded = await encode(own[0], codec, d.links.options, state=self._encoder)
         if codec != tensor_pb2.CODEC_LOSSLESS:
             # Add what the others will decode, not the exact vector, so every
             # replica sums the very same numbers.
@@ -289,6 +292,10 @@ class ReplicaSync:
             # did not come to say what it holds: withdrawing ours is the one
             # choice that peer is sure to share.
             agreed.discard(d.node_id)
+        if d.node_id not in agreed:
+            # Our contribution is not in the sum, so the part a stateful codec kept back
+            # would be added to a tensor that was never applied: start afresh.
+            self._encoder.reset()
         dropped = sorted((set(peers) | {d.node_id}) - agreed)
         if dropped:
             logger.warning("step %d: contributions of %s dropped from the reduce", step, dropped)

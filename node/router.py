@@ -133,7 +133,6 @@ class Router:
         activation: torch.Tensor,
         *,
         codec: int,
-        block_size: int,
         time_left: float | None = None,
         avoid: frozenset[str] = frozenset(),
     ) -> HopResult:
@@ -148,7 +147,12 @@ class Router:
         codec = self.links.codec_for(
             peer, "activation", activation, step=header.step, requested=codec
         )
-        encoded = await encode(activation, codec, block_size)
+        encoded = await encode(
+            activation,
+            codec,
+            self.links.options,
+            state=self.links.encoder_state(peer, "activation"),
+        )
         stub = stage_pb2_grpc.StageStub(self.channel(replica.address))
         timeout = self.health.deadline(stage, peer)
         if time_left is not None:
@@ -211,7 +215,6 @@ class Router:
         activation: torch.Tensor,
         *,
         codec: int,
-        block_size: int,
         attempts: int,
         deadline: float | None = None,
         backoff_s: float = 0.0,
@@ -237,7 +240,6 @@ class Router:
                     header,
                     activation,
                     codec=codec,
-                    block_size=block_size,
                     time_left=time_left,
                     avoid=frozenset(avoid),
                 )

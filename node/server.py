@@ -94,6 +94,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             num_stages=d.config.pipeline.stages if d.config else 0,
             step=runtime.step if runtime else 0,
             in_flight=d.in_flight,
+            serving=d.serving,
         )
 
     async def Reduce(
@@ -146,7 +147,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         downstream,
                         output,
                         codec=d.activation_codec,
-                        block_size=d.config.pipeline.int8_block_size,
                         attempts=MIDDLE_HOP_ATTEMPTS,
                         deadline=None if remaining is None else time.monotonic() + remaining,
                     )
@@ -246,7 +246,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         downstream,
                         output,
                         codec=d.activation_codec,
-                        block_size=d.config.pipeline.int8_block_size,
                         attempts=MIDDLE_HOP_ATTEMPTS,
                         deadline=None if remaining is None else time.monotonic() + remaining,
                     )
@@ -287,7 +286,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             step=header.step,
             requested=header.gradient_codec or d.gradient_codec,
         )
-        encoded = await encode(grad_input, codec, d.config.pipeline.int8_block_size)
+        encoded = await encode(
+            grad_input, codec, d.links.options, state=d.links.encoder_state(peer, "gradient")
+        )
         async with d.links.transfer(peer, "gradient") as link:
             message = stage_pb2.BackwardMessage(tensor=encoded.header)
             await link.pace(message.ByteSize())

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmpipe.compression import TensorAssembler, encode_tensor, iter_chunks
+from swarmpipe.compression import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LOWRANK_RANK,
+    DEFAULT_TOPK_FRACTION,
+    EncoderState,
+    TensorAssembler,
+    encode_tensor,
+    iter_chunks,
+)
+from swarmpipe.config import PipelineConfig
 from swarmpipe.errors import PeerError
 from swarmpipe.protos import control_pb2, tensor_pb2
 
@@ -31,9 +40,49 @@ class EncodedTensor:
         return int(self.header.payload_bytes)
 
 
-async def encode(tensor: torch.Tensor, codec: int, block_size: int) -> EncodedTensor:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EncodeOptions:
+    """The run's codec parameters, the same for every tensor a node sends."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Elements per absmax block of int8 and int4."""
+    channel_blocks: bool = False
+    """Whether int8/int4 blocks run down each channel (the last dimension)."""
+    topk_fraction: float = DEFAULT_TOPK_FRACTION
+    """Share of entries the topk codec keeps."""
+    lowrank_rank: int = DEFAULT_LOWRANK_RANK
+    """Factor width of the lowrank codec."""
+
+    @classmethod
+    def from_pipeline(cls, pipeline: PipelineConfig) -> EncodeOptions:
+        return cls(
+            block_size=pipeline.int8_block_size,
+            channel_blocks=pipeline.int8_channel_blocks,
+            topk_fraction=pipeline.topk_fraction,
+            lowrank_rank=pipeline.lowrank_rank,
+        )
+
+
+async def encode(
+    tensor: torch.Tensor,
+    codec: int,
+    options: EncodeOptions,
+    *,
+    state: EncoderState | None = None,
+) -> EncodedTensor:
+    """`tensor` under `codec`, in chunks; `state` is the link and role's EncoderState, which
+    only the topk and lowrank codecs use (see swarmpipe.compression)."""
+
     def work() -> EncodedTensor:
-        header, payload = encode_tensor(tensor, codec, block_size=block_size)
+        header, payload = encode_tensor(
+            tensor,
+            codec,
+            block_size=options.block_size,
+            channel_blocks=options.channel_blocks,
+            topk_fraction=options.topk_fraction,
+            rank=options.lowrank_rank,
+            state=state,
+        )
         return EncodedTensor(header, list(iter_chunks(payload)))
 
     return await asyncio.to_thread(work)

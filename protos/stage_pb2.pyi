@@ -337,11 +337,14 @@ class StageInfoReply(_message.Message):
     NUM_STAGES_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     num_stages: _builtins.int
     step: _builtins.int
     in_flight: _builtins.int
+    serving: _builtins.bool
+    """false while it still downloads its stage's state"""
     def __init__(
         self,
         *,
@@ -350,10 +353,11 @@ class StageInfoReply(_message.Message):
         num_stages: _builtins.int = ...,
         step: _builtins.int = ...,
         in_flight: _builtins.int = ...,
+        serving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight", "node_id", b"node_id", "num_stages", b"num_stages", "stage", b"stage", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight", "node_id", b"node_id", "num_stages", b"num_stages", "serving", b"serving", "stage", b"stage", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

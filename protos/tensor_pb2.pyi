@@ -60,6 +60,10 @@ class _CodecEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Codec.ValueType
     """per-block absmax scale (fp32) + int8 values"""
     CODEC_BLOCKWISE_INT4: _Codec.ValueType  # 5
     """per-block absmax scale (fp32) + int4 values, two per byte"""
+    CODEC_TOPK: _Codec.ValueType  # 6
+    """the `kept` largest-magnitude entries: values + positions"""
+    CODEC_LOWRANK: _Codec.ValueType  # 7
+    """factors P [n, rank], Q [m, rank] (fp32) of the [n, m] view"""
 
 class Codec(_Codec, metaclass=_CodecEnumTypeWrapper):
     """How the payload bytes encode the tensor. The codec registry in
@@ -77,6 +81,10 @@ CODEC_BLOCKWISE_INT8: Codec.ValueType  # 4
 """per-block absmax scale (fp32) + int8 values"""
 CODEC_BLOCKWISE_INT4: Codec.ValueType  # 5
 """per-block absmax scale (fp32) + int4 values, two per byte"""
+CODEC_TOPK: Codec.ValueType  # 6
+"""the `kept` largest-magnitude entries: values + positions"""
+CODEC_LOWRANK: Codec.ValueType  # 7
+"""factors P [n, rank], Q [m, rank] (fp32) of the [n, m] view"""
 Global___Codec: _TypeAlias = Codec  # noqa: Y015
 
 class _Entropy:
@@ -114,6 +122,9 @@ class TensorHeader(_message.Message):
     STOCHASTIC_ROUNDING_FIELD_NUMBER: _builtins.int
     ENTROPY_FIELD_NUMBER: _builtins.int
     RAW_PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
+    KEPT_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    CHANNEL_BLOCKS_FIELD_NUMBER: _builtins.int
     dtype: Global___DType.ValueType
     """dtype of the tensor after decoding"""
     codec: Global___Codec.ValueType
@@ -128,6 +139,12 @@ class TensorHeader(_message.Message):
     entropy: Global___Entropy.ValueType
     raw_payload_bytes: _builtins.int
     """codec payload before the entropy stage; 0 for ENTROPY_NONE"""
+    kept: _builtins.int
+    """top-k only: entries the payload carries"""
+    rank: _builtins.int
+    """low-rank only: columns of each factor; 0 = sent dense"""
+    channel_blocks: _builtins.bool
+    """int8/int4: blocks run down the rows of one channel (last dim)"""
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -142,10 +159,13 @@ class TensorHeader(_message.Message):
         stochastic_rounding: _builtins.bool = ...,
         entropy: Global___Entropy.ValueType = ...,
         raw_payload_bytes: _builtins.int = ...,
+        kept: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        channel_blocks: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "codec", b"codec", "crc32", b"crc32", "dtype", b"dtype", "entropy", b"entropy", "payload_bytes", b"payload_bytes", "raw_payload_bytes", b"raw_payload_bytes", "shape", b"shape", "stochastic_rounding", b"stochastic_rounding"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "channel_blocks", b"channel_blocks", "codec", b"codec", "crc32", b"crc32", "dtype", b"dtype", "entropy", b"entropy", "kept", b"kept", "payload_bytes", b"payload_bytes", "rank", b"rank", "raw_payload_bytes", b"raw_payload_bytes", "shape", b"shape", "stochastic_rounding", b"stochastic_rounding"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

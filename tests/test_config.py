@@ -33,6 +33,9 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         (["model.n_heads=3"], "must divide"),
         (["pipeline.activation_codec=zip"], "is not one of"),
         (["pipeline.link_mbit=-1"], "pipeline.link_mbit=-1.0 must be >= 0"),
+        (["pipeline.topk_fraction=0"], "pipeline.topk_fraction=0.0 must be in (0, 1]"),
+        (["pipeline.topk_fraction=1.5"], "must be in (0, 1]"),
+        (["pipeline.lowrank_rank=0"], "pipeline.lowrank_rank=0 must be >= 1"),
         (["train.microbatch=64", "train.global_batch=8"], "exceeds"),
         (["pipeline.stages=99"], "exceeds the model"),
         (["steps"], "must look like section.key=value"),
@@ -59,7 +62,7 @@ def test_missing_and_invalid_files(tmp_path: Path) -> None:
 
 
 def test_codec_names_round_trip() -> None:
-    for name in ("lossless", "fp16", "bf16", "int8"):
+    for name in ("lossless", "fp16", "bf16", "int8", "int4", "topk", "lowrank"):
         assert codec_name(codec_enum(name)) == name
     assert codec_name(999) == "unknown"
 

@@ -2,10 +2,15 @@
 
 Shapes include 0-d, empty and non-contiguous tensors; values include inf, NaN, zeros,
 subnormals, fp32's extremes and outlier channels. Whatever the input, the result has the
-input's shape and dtype, and each finite element meets its codec's error bound.
+input's shape and dtype, and each finite element meets its codec's error bound: top-k keeps
+the largest magnitudes bit-exactly and zeros the rest, low-rank never strays further from the
+tensor than the tensor is from zero (a projection) and is exact when it sends the tensor dense.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from swarmpipe.compression import CODECS_BY_NAME, decode_tensor, encode_tensor
+from swarmpipe.compression import CODECS_BY_NAME, decode_tensor, encode_tensor, topk
 from swarmpipe.compression.casts import FP16_MAX
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -53,24 +58,33 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
     return x
 
 
-def _blockwise_check(x: torch.Tensor, y: torch.Tensor, block_size: int, qmax: int) -> None:
-    n = x.numel()
-    nb = -(-n // block_size)
-    padded_x = torch.zeros(nb * block_size)
-    padded_x[:n] = x.reshape(-1).float()
-    padded_y = torch.zeros(nb * block_size)
-    padded_y[:n] = y.reshape(-1).float()
-    bx, by = padded_x.view(nb, block_size), padded_y.view(nb, block_size)
-    finite = bx.isfinite().all(dim=1)
-    # A block holding inf or NaN decodes to all NaN (padding aside); the others keep the bound.
-    real = torch.arange(nb * block_size).view(nb, block_size) < n
-    assert bool(by[~finite][real[~finite]].isnan().all())
+def block_ids(shape: torch.Size, block_size: int, channel_blocks: bool) -> torch.Tensor:
+    """The block of each element of a tensor of `shape` (flat order), in either layout."""
+    index = torch.arange(shape.numel())
+    if channel_blocks and len(shape):
+        channels = shape[-1]
+        return index // channels // block_size * channels + index % channels
+    return index // block_size
+
+
+def _blockwise_check(
+    x: torch.Tensor, y: torch.Tensor, block_size: int, qmax: int, channel_blocks: bool
+) -> None:
+    if not x.numel():
+        return
+    ids = block_ids(x.shape, block_size, channel_blocks)
+    xf, yf = x.reshape(-1).float(), y.reshape(-1).float()
+    blocks = int(ids.max()) + 1
+    # A block holding inf or NaN decodes to all NaN; the others keep the bound.
+    broken = torch.zeros(blocks).index_add_(0, ids, (~xf.isfinite()).float()) > 0
+    assert bool(yf[broken[ids]].isnan().all())
+    absmax = torch.zeros(blocks).scatter_reduce_(0, ids, xf.abs(), "amax")
     # Known edge: within an ulp or so of fp32's largest value, qmax times the rounded scale can
     # overflow to inf on decoding. No activation or gradient gets there.
-    finite &= bx.abs().amax(dim=1) < FP32_MAX * (1 - 2.0**-20)
-    absmax = bx[finite].abs().amax(dim=1, keepdim=True)
-    bound = absmax / qmax / 2 * (1 + 1e-4) + absmax * UNIT_ROUNDOFF[x.dtype] + FP32_TINY
-    assert bool(((by[finite] - bx[finite]).abs() <= bound).all())
+    checked = ~broken[ids] & (absmax[ids] < FP32_MAX * (1 - 2.0**-20))
+    a = absmax[ids][checked]
+    bound = a / qmax / 2 * (1 + 1e-4) + a * UNIT_ROUNDOFF[x.dtype] + FP32_TINY
+    assert bool(((yf[checked] - xf[checked]).abs() <= bound).all())
 
 
 def _cast_check(x: torch.Tensor, y: torch.Tensor, codec: str) -> None:
@@ -91,6 +105,32 @@ def _cast_check(x: torch.Tensor, y: torch.Tensor, codec: str) -> None:
     assert bool(((yf - ref).abs()[ok] <= rtol * ref.abs()[ok] + atol).all())
 
 
+def _topk_check(x: torch.Tensor, y: torch.Tensor, fraction: float) -> None:
+    xf, yf = x.reshape(-1), y.reshape(-1)
+    k = topk.kept_entries(xf.numel(), fraction)
+    assert int(((yf != 0) | yf.isnan()).sum()) <= k
+    if not k:
+        return
+    magnitude = xf.float().abs().nan_to_num(nan=math.inf)
+    threshold = magnitude.topk(k).values[-1]
+    above, below = magnitude > threshold, magnitude < threshold
+    assert torch.equal(_bits(yf[above]), _bits(xf[above]))
+    assert bool((yf[below] == 0).all())
+
+
+def _lowrank_check(x: torch.Tensor, y: torch.Tensor, rank: int) -> None:
+    if rank == 0:
+        assert torch.equal(_bits(y), _bits(x.contiguous()))
+        return
+    assert bool(x.isfinite().all())  # anything else is sent dense
+    xd, yd = x.double().reshape(-1), y.double().reshape(-1)
+    # P P^T M is an orthogonal projection of M: never further from M than M is from 0, up to
+    # fp32 arithmetic and one rounding to the tensor's dtype per element (and clamping to its
+    # largest value, which only moves an element towards M).
+    slack = 1e-4 + 2 * UNIT_ROUNDOFF[x.dtype]
+    assert float((yd - xd).norm()) <= float(xd.norm()) * (1 + slack) + FP32_TINY
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
@@ -99,21 +139,32 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     x=tensors(),
-    block_size=st.sampled_from([1, 3, 64, 256]),
     entropy=st.sampled_from(["none", "zstd"]),
+    options=st.fixed_dictionaries(
+        {
+            "block_size": st.sampled_from([1, 3, 64, 256]),
+            "channel_blocks": st.booleans(),
+            "topk_fraction": st.sampled_from([1e-3, 0.05, 0.5, 1.0]),
+            "rank": st.sampled_from([1, 2, 8]),
+        }
+    ),
 )
 def test_every_codec_round_trips_within_its_bound(
-    x: torch.Tensor, codec: str, block_size: int, entropy: str
+    x: torch.Tensor, codec: str, entropy: str, options: dict[str, Any]
 ) -> None:
-    header, payload = encode_tensor(x, codec, block_size=block_size, entropy=entropy)
+    header, payload = encode_tensor(x, codec, entropy=entropy, **options)
     y = decode_tensor(header, payload)
     assert y.shape == x.shape
     assert y.dtype == x.dtype
-    plain = decode_tensor(*encode_tensor(x, codec, block_size=block_size))
+    plain = decode_tensor(*encode_tensor(x, codec, **options))
     assert torch.equal(_bits(y), _bits(plain))  # zstd is exact w.r.t. the codec alone
     if codec == "lossless":
         assert torch.equal(_bits(y), _bits(x.contiguous()))
     elif codec in QMAX:
-        _blockwise_check(x, y, block_size, QMAX[codec])
+        _blockwise_check(x, y, options["block_size"], QMAX[codec], header.channel_blocks)
+    elif codec == "topk":
+        _topk_check(x, y, options["topk_fraction"])
+    elif codec == "lowrank":
+        _lowrank_check(x, y, header.rank)
     else:
         _cast_check(x, y, codec)

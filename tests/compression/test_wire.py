@@ -197,11 +197,13 @@ def _random_header(rng: random.Random) -> tensor_pb2.TensorHeader:
     ]
     return tensor_pb2.TensorHeader(
         dtype=tensor_pb2.DType.ValueType(rng.randrange(-1, 8)),
-        codec=tensor_pb2.Codec.ValueType(rng.randrange(-1, 7)),
+        codec=tensor_pb2.Codec.ValueType(rng.randrange(-1, len(CODECS) + 2)),
         shape=shape,
         payload_bytes=rng.choice([0, 1, 5, 16, 1040, rng.randrange(1 << 64)]),
         block_size=rng.choice([0, 1, 4, 256, rng.randrange(1 << 32)]),
         crc32=rng.randrange(1 << 32),
+        kept=rng.choice([0, 0, 1, 3, 1 << 40, rng.randrange(1 << 64)]),
+        rank=rng.choice([0, 0, 1, 2, 8, rng.randrange(1 << 32)]),
     )
 
 
@@ -210,7 +212,13 @@ def _random_valid(rng: random.Random) -> tuple[tensor_pb2.TensorHeader, bytes]:
     dtype = rng.choice(sorted(codec.dtypes, key=str))
     shape = [rng.randrange(6) for _ in range(rng.randrange(4))]
     x = (torch.randn(shape) * 100).to(dtype)
-    return encode_tensor(x, codec.codec_id, block_size=rng.choice([1, 3, 256]))
+    return encode_tensor(
+        x,
+        codec.codec_id,
+        block_size=rng.choice([1, 3, 256]),
+        topk_fraction=rng.choice([0.01, 0.3, 1.0]),
+        rank=rng.choice([1, 2]),
+    )
 
 
 def test_fuzzed_input_only_ever_raises_codec_error() -> None:
@@ -228,7 +236,9 @@ def test_fuzzed_input_only_ever_raises_codec_error() -> None:
             elif kind == 2:
                 payload = rng.randbytes(len(payload))
             else:
-                field = rng.choice(["dtype", "codec", "payload_bytes", "block_size", "shape"])
+                field = rng.choice(
+                    ["dtype", "codec", "payload_bytes", "block_size", "shape", "kept", "rank"]
+                )
                 mutant = _random_header(rng)
                 if field == "shape":
                     header.ClearField("shape")
@@ -248,12 +258,20 @@ def test_fuzzed_input_only_ever_raises_codec_error() -> None:
 
 
 def test_random_payload_with_a_valid_header_decodes_to_the_promised_tensor() -> None:
-    # Every bit pattern is some value (NaN and inf included) in every codec, so random bytes
-    # with a right header and crc must decode, never crash, and give the promised shape.
+    # Every bit pattern is some value (NaN and inf included) in every codec but top-k, so
+    # random bytes with a right header and crc must decode, never crash, and give the
+    # promised shape. Top-k's positions must check out, so there they may be a CodecError.
     rng = random.Random(99)
-    for _ in range(200):
+    refused = 0
+    for _ in range(300):
         header, payload = _random_valid(rng)
         payload = rng.randbytes(len(payload))
         header.crc32 = zlib.crc32(payload)
+        if header.codec == tensor_pb2.CODEC_TOPK and header.kept:
+            with pytest.raises(CodecError, match="top-k payload"):
+                decode_tensor(header, payload)
+            refused += 1
+            continue
         y = decode_tensor(header, payload)
         assert list(y.shape) == list(header.shape)
+    assert refused

@@ -9,6 +9,7 @@ import torch
 
 from swarmpipe.compression import CODECS_BY_NAME
 from swarmpipe.node.links import MAX_CHANGES, Links
+from swarmpipe.node.transport import EncodeOptions
 from swarmpipe.protos import tensor_pb2
 
 ACTIVATION = torch.randn(8, 64, 128)  # 256 KiB lossless, 33 KiB int4
@@ -25,7 +26,7 @@ class FakeClock:
 def _links() -> tuple[Links, FakeClock]:
     clock = FakeClock(100.0)
     links = Links(clock=clock, wall_clock=lambda: clock.now + 1e9)
-    links.configure(limit_bytes_per_second=0.0, block_size=256)
+    links.configure(limit_bytes_per_second=0.0, options=EncodeOptions(block_size=256))
     return links, clock
 
 
@@ -99,7 +100,7 @@ async def test_the_codec_history_is_bounded() -> None:
 
 async def test_a_limited_link_paces_its_transfers() -> None:
     links = Links()
-    links.configure(limit_bytes_per_second=200_000.0, block_size=256)
+    links.configure(limit_bytes_per_second=200_000.0, options=EncodeOptions(block_size=256))
     start = time.monotonic()
     async with links.transfer("n1", "activation") as link:
         for _ in range(8):

@@ -41,10 +41,12 @@ def last_stage(procs, tiny):  # type: ignore[no-untyped-def]
 
 
 def _info_or_none(stub: stage_pb2_grpc.StageStub) -> stage_pb2.StageInfoReply | None:
+    """The node's Info once it serves its stage (not while it still syncs), else None."""
     try:
-        return stub.Info(stage_pb2.StageInfoRequest(), timeout=2)
+        info = stub.Info(stage_pb2.StageInfoRequest(), timeout=2)
     except grpc.RpcError:
         return None
+    return info if info.serving else None
 
 
 def _messages(

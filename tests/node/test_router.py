@@ -19,7 +19,7 @@ from swarmpipe.config import load_config
 from swarmpipe.node.links import Links
 from swarmpipe.node.router import HopError, Router
 from swarmpipe.node.server import read_forward_request
-from swarmpipe.node.transport import LinkStats, encode
+from swarmpipe.node.transport import EncodeOptions, LinkStats, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from swarmpipe.rpc import bind, create_server
 
@@ -46,7 +46,7 @@ class Peer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.ABORTED, "downstream: stage 2 vanished")
         if self.behaviour == "hang":
             await asyncio.sleep(3600)
-        encoded = await encode(torch.ones_like(activation), LOSSLESS, 0)
+        encoded = await encode(torch.ones_like(activation), LOSSLESS, EncodeOptions())
         yield stage_pb2.BackwardMessage(tensor=encoded.header)
         for chunk in encoded.chunks:
             yield stage_pb2.BackwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk))
@@ -116,7 +116,7 @@ def _header(n: int = 0) -> stage_pb2.MicrobatchHeader:
 
 async def _send(router: Router, attempts: int = 3, n: int = 0) -> str:
     hop = await router.send_rerouting(
-        1, _header(n), torch.randn(2, 4), codec=LOSSLESS, block_size=0, attempts=attempts
+        1, _header(n), torch.randn(2, 4), codec=LOSSLESS, attempts=attempts
     )
     assert hop.grad_input is not None and torch.equal(hop.grad_input, torch.ones(2, 4))
     return hop.peer
