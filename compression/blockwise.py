@@ -104,8 +104,9 @@ class BlockwiseCodec(TensorCodec):
         self, flat: torch.Tensor, header: tensor_pb2.TensorHeader, rounding: Rounding
     ) -> torch.Tensor:
         shape = list(header.shape)
-        if header.channel_blocks and numel(shape[:-1]) < header.block_size:
-            header.channel_blocks = False  # fewer rows than a block: flat blocks are smaller
+        if header.channel_blocks and (numel(shape[:-1]) < header.block_size or not numel(shape)):
+            # Fewer rows than a block: flat blocks are smaller. Empty: nothing to lay out.
+            header.channel_blocks = False
         rows, channels, block_size = tiling(shape, header.block_size, header.channel_blocks)
         return self._encode_tiles(flat, rows, channels, block_size, rounding)
 
@@ -174,12 +175,14 @@ class BlockwiseCodec(TensorCodec):
 
     def _decode_flat(self, header: tensor_pb2.TensorHeader, raw: torch.Tensor) -> torch.Tensor:
         n = numel(header.shape)
+        dtype = header_dtype(header)
+        if n == 0:  # also spares a hostile empty shape with channel blocks its zero channels
+            return torch.empty(0, dtype=dtype, device=raw.device)
         nb = n_scales(header.shape, header.block_size, header.channel_blocks)
         _, channels, block_size = tiling(header.shape, header.block_size, header.channel_blocks)
         tile = block_size * channels
         scales = raw[: 4 * nb].view(torch.float32)
         codes = self._load(raw[4 * nb :], n)
-        dtype = header_dtype(header)
         if dtype == torch.float32:
             # Widening and then scaling in place beats a mixed int8 * fp32 multiply 2x on CPU;
             # the result is the working memory, so whole-tensor passes are fastest here.

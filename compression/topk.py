@@ -141,7 +141,7 @@ def _spans(n: int) -> int:
 def _largest(x: torch.Tensor, k: int) -> torch.Tensor:
     """Positions (int64, increasing) of the `k` largest |x|, NaN and inf counting as largest."""
     n = x.numel()
-    magnitude = x.abs().nan_to_num_(nan=math.inf)
+    magnitude = x.abs().nan_to_num_(nan=math.inf, posinf=math.inf)
     positions: torch.Tensor | None = None
     aim = math.ceil(k * _SAMPLE_MARGIN * _SAMPLE / n) + 8  # sample entries above the threshold
     if n > 4 * _SAMPLE and aim < _SAMPLE // 2:

@@ -335,6 +335,8 @@ def test_channel_blocks_keep_outlier_channels_from_coarsening_the_rest(codec: st
     ("shape", "block_size", "used"),
     [
         ((3, 5), 16, False),
+        ((0,), 1, False),
+        ((3, 0), 1, False),
         ((0, 4), 4, False),
         ((), 4, False),
         ((1000,), 7, False),
@@ -380,6 +382,14 @@ def test_channel_block_pieces_give_the_same_bytes_as_one_pass(
     monkeypatch.setattr(blockwise, "_CPU_PIECE_ELEMENTS", 3 * block_size * shape[1] + 1)
     assert encode_tensor(x, codec, block_size=block_size, channel_blocks=True) == (header, payload)
     assert torch.equal(decode_tensor(header, payload), y)
+
+
+def test_channel_blocks_of_an_empty_tensor_decode_to_it() -> None:
+    # The sender never sets the flag for an empty tensor, but a header that does must decode.
+    for shape in ([0], [3, 0], [0, 3]):
+        header, payload = encode_tensor(torch.empty(shape), "int4", block_size=1)
+        header.channel_blocks = True
+        assert decode_tensor(header, payload).shape == tuple(shape)
 
 
 def test_channel_blocks_on_a_codec_without_blocks_are_refused() -> None:

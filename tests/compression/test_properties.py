@@ -111,7 +111,7 @@ def _topk_check(x: torch.Tensor, y: torch.Tensor, fraction: float) -> None:
     assert int(((yf != 0) | yf.isnan()).sum()) <= k
     if not k:
         return
-    magnitude = xf.float().abs().nan_to_num(nan=math.inf)
+    magnitude = xf.float().abs().nan_to_num(nan=math.inf, posinf=math.inf)
     threshold = magnitude.topk(k).values[-1]
     above, below = magnitude > threshold, magnitude < threshold
     assert torch.equal(_bits(yf[above]), _bits(xf[above]))

@@ -33,7 +33,7 @@ def _kept_exactly(x: torch.Tensor, y: torch.Tensor, k: int) -> None:
     """y holds the k largest |x| bit-exactly and zeros elsewhere (ties may go either way)."""
     xf = x.reshape(-1)
     yf = y.reshape(-1)
-    magnitude = xf.float().abs().nan_to_num(nan=math.inf)
+    magnitude = xf.float().abs().nan_to_num(nan=math.inf, posinf=math.inf)
     if k == 0:
         assert not bool(yf.any())
         return
@@ -92,6 +92,12 @@ def test_topk_sends_inf_and_nan_first() -> None:
     y = decode_tensor(*encode_tensor(x, "topk", topk_fraction=0.002))  # k = 2
     assert math.isnan(y[10].item()) and y[500].item() == -float("inf")
     assert y[999].item() == 0.0
+    # inf outranks the largest finite value (nan_to_num would have made them equal).
+    for dtype in FLOATS:
+        big = torch.finfo(dtype).max
+        x = torch.tensor([big, float("inf"), -big, big], dtype=dtype)
+        y = decode_tensor(*encode_tensor(x, "topk", topk_fraction=0.25))
+        assert y.tolist() == [0.0, float("inf"), 0.0, 0.0]
 
 
 def test_topk_payload_layout() -> None:
