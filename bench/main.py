@@ -14,6 +14,7 @@ from typing import Any
 BENCHMARKS: dict[str, str] = {
     "pipeline": "testnet samples/s beside single-process training, wire bytes per codec",
     "churn": "seconds from a replica's SIGKILL until samples/s is back to 90%",
+    "join": "seconds from a node's start to taking traffic when it joins a running run",
 }
 """Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
 

@@ -22,6 +22,8 @@ class Member:
     stage: int
     joined_at: float
     online: bool = False
+    announced: bool = False
+    """It has been online once: from then on only `online` says whether it holds its stage."""
     drained: bool = False
     telemetry: control_pb2.Telemetry | None = None
     last_step: int = -1
@@ -47,7 +49,9 @@ class Membership:
     def _holds_stage(self, m: Member, now: float) -> bool:
         if m.drained:
             return False
-        return m.online or now - m.joined_at < JOIN_GRACE_S
+        # A node that went offline stops holding its stage at once, so the next
+        # joiner replaces it instead of piling onto a stage that still has one.
+        return m.online or (not m.announced and now - m.joined_at < JOIN_GRACE_S)
 
     def assign(self, node_id: str, address: str) -> Member:
         """Place a joining node on the stage with the fewest replicas (lowest index on ties)."""

@@ -537,6 +537,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if presence.online == member.online:
             return
         member.online = presence.online
+        member.announced = member.announced or presence.online
         if not presence.online:
             member.serving, member.ready_step = False, -1
         if presence.online:

@@ -195,6 +195,7 @@ class NodeDaemon:
             if host in ("", "0.0.0.0", "::", "[::]"):
                 host = _route_host(coord_host)
             reply = await self._join(f"{host}:{port}")
+            joined_at = time.time()
             self.config = RunConfig.from_json(reply.run_config_json)
             self.router.configure(self.config.pipeline)
             self.stage = reply.stage
@@ -235,7 +236,8 @@ class NodeDaemon:
                 "node_id": self.node_id,
                 "stage": stage,
                 "pid": os.getpid(),
-                "joined_at": time.time(),
+                "joined_at": joined_at,
+                "built_at": time.time(),
                 "serving": False,
             }
             if self.options.ready_file:

@@ -60,10 +60,11 @@ def expected_specs(module: torch.nn.Module) -> dict[str, _Spec]:
 
 @dataclass(frozen=True, slots=True)
 class StateSnapshot:
-    """Cloned tensors of one stage at one step boundary, with their manifest."""
+    """One stage's state at one step boundary: its manifest and a copy of its payload."""
 
     manifest: state_pb2.StateManifest
-    tensors: tuple[torch.Tensor, ...]
+    payload: torch.Tensor
+    """uint8, every tensor's bytes back to back in manifest order (one copy, one allocation)."""
 
     @property
     def step(self) -> int:
@@ -73,23 +74,15 @@ class StateSnapshot:
         """Compute the sha256 into the manifest (off the compute thread: it reads every byte)."""
         if not self.manifest.sha256:
             h = start_digest(self.manifest)
-            for chunk in self.chunks():
-                h.update(chunk)
+            h.update(self.payload.numpy().data)
             self.manifest.sha256 = h.digest()
         return self
 
     def chunks(self) -> Iterator[bytes]:
-        """The payload in chunks of at most CHUNK_BYTES (tensors are not split needlessly)."""
-        pending = bytearray()
-        for t in self.tensors:
-            raw = t.reshape(-1).view(torch.uint8).numpy().data
-            for start in range(0, len(raw), CHUNK_BYTES):
-                pending += raw[start : start + CHUNK_BYTES]
-                while len(pending) >= CHUNK_BYTES:
-                    yield bytes(pending[:CHUNK_BYTES])
-                    del pending[:CHUNK_BYTES]
-        if pending:
-            yield bytes(pending)
+        """The payload in chunks of at most CHUNK_BYTES."""
+        view = self.payload.numpy().data
+        for start in range(0, len(view), CHUNK_BYTES):
+            yield bytes(view[start : start + CHUNK_BYTES])
 
 
 def take_snapshot(
@@ -102,16 +95,14 @@ def take_snapshot(
     num_stages: int,
     node_id: str,
 ) -> StateSnapshot:
-    """Clone the stage's state (run on the compute thread); `seal` it before sending."""
+    """Copy the stage's state (run on the compute thread); `seal` it before sending."""
     entries: list[state_pb2.StateTensor] = []
     tensors: list[torch.Tensor] = []
 
     def add(name: str, t: torch.Tensor) -> None:
-        clone = t.detach().contiguous().clone()
-        entries.append(
-            state_pb2.StateTensor(name=name, dtype=dtype_enum(clone.dtype), shape=clone.shape)
-        )
-        tensors.append(clone)
+        t = t.detach().contiguous()
+        entries.append(state_pb2.StateTensor(name=name, dtype=dtype_enum(t.dtype), shape=t.shape))
+        tensors.append(t.reshape(-1).view(torch.uint8))
 
     for name, p in _param_specs(module):
         add(f"param:{name}", p)
@@ -129,7 +120,8 @@ def take_snapshot(
         payload_bytes=sum(tensor_bytes(e) for e in entries),
         node_id=node_id,
     )
-    return StateSnapshot(manifest, tuple(tensors))
+    payload = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
+    return StateSnapshot(manifest, payload)
 
 
 class StateReceiver:

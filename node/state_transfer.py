@@ -236,14 +236,18 @@ class StateTransfer:
                 await d.compute.run(BACKWARD, lambda: runtime.import_state(restored, step=target))
                 self._fresh = False
                 self.report["source"] = f"checkpoint of step {restored.step}"
+                lost = (
+                    f"this stage lost the updates of steps {restored.step} to {target - 1}"
+                    if target > restored.step
+                    else "no update was lost"
+                )
                 logger.warning(
-                    "stage %d had no live replica: resumed from its checkpoint of step %d at "
-                    "step %d; this stage lost the updates of steps %d to %d",
+                    "stage %d had no live replica: resumed from its checkpoint of step %d "
+                    "at step %d; %s",
                     d.stage,
                     restored.step,
                     target,
-                    restored.step,
-                    target - 1,
+                    lost,
                 )
                 return True
         runtime.step = target

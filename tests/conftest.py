@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from swarmpipe.ready import poll_until, wait_ready_file
+from swarmpipe.ready import poll_until, read_ready_file, wait_ready_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,6 +100,22 @@ class Procs:
                 log = (self.tmp / f"{name}.log").read_text()
                 raise AssertionError(f"{name} did not start: {exc}\n{log}") from exc
         return started
+
+    def wait_serving(self, name: str, timeout: float = 120) -> dict[str, Any]:
+        """Wait until node `name` holds its stage's current state and takes traffic (a node
+        joining a running run downloads it first); returns its ready file, with the join's
+        `source`, `step`, `download_bytes` and timestamps."""
+        popen = next(p for p, log in self.children if log.name == f"{name}.log")
+        path = self.tmp / f"{name}.ready.json"
+
+        def serving() -> dict[str, Any] | None:
+            if popen.poll() is not None:
+                raise AssertionError(f"{name} exited:\n{(self.tmp / f'{name}.log').read_text()}")
+            info = read_ready_file(path)
+            return info if info and info.get("serving") else None
+
+        info: dict[str, Any] = poll_until(serving, timeout, f"{name} to serve")
+        return info
 
     def reap(self) -> None:
         for popen, _ in self.children:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -27,11 +25,6 @@ class Watch:
 
     def serving(self, node_id: str) -> bool:
         return any(n.node_id == node_id and n.serving for n in self.status().nodes)
-
-
-def _ready(tmp: Path, name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((tmp / f"{name}.ready.json").read_text())
-    return data
 
 
 def _equal_step(watch: Watch, after: int) -> coordinator_pb2.StatusReply | None:
@@ -61,8 +54,8 @@ def test_nodes_joining_a_running_run_copy_their_stage_and_stay_equal(
         joined = {}
         for name in ("n2", "n3"):
             procs.node(name, coordinator)
-            poll_until(lambda n=name: watch.serving(n), 120, f"{name} to serve")
-            joined[name] = _ready(tmp_path, name)
+            joined[name] = procs.wait_serving(name)
+            assert watch.serving(name)
         last_join = max(info["step"] for info in joined.values())
         status = poll_until(
             lambda: _equal_step(watch, last_join + 3), 120, "every node to apply the same step"

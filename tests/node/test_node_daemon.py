@@ -32,6 +32,7 @@ def last_stage(procs, tiny):  # type: ignore[no-untyped-def]
     coordinator = procs.coordinator(*tiny, "pipeline.stages=2", "train.steps=1000")
     head, _ = procs.node("n0", coordinator)
     _, info = procs.node("n1", coordinator)
+    procs.wait_serving("n1")  # until then it refuses microbatches: it is not in the plan
     os.killpg(head.pid, signal.SIGKILL)
     channel = grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}")
     stub = stage_pb2_grpc.StageStub(channel)
