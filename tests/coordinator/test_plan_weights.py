@@ -1,4 +1,4 @@
-"""Placement and the plan: replica weights come from each node's measured compute rate."""
+"""The plan's replica weights come from each node's measured compute rate."""
 
 from __future__ import annotations
 

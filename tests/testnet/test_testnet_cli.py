@@ -114,18 +114,19 @@ def test_too_few_nodes_is_a_clear_error(tmp_path: Path, tiny: list[str]) -> None
     assert "--nodes 2 cannot cover 3 stages" in output
 
 
+@pytest.mark.timeout(900)
 def test_a_scheduled_kill_is_not_a_crash_and_the_node_rejoins(
     tmp_path: Path, tiny: list[str]
 ) -> None:
     # 4 nodes on 2 stages: every stage has two replicas, so any one may die.
     # Enough steps after the restart for a process start and a state download
-    # on a loaded machine: the run must not end before n3 is back.
-    steps = 60
+    # on a loaded machine (a minute or more): the run must not end before n3 is back.
+    steps = 400
     schedule = "kill n3@step3, start n3@step5"
     popen = _start(
         tmp_path, tiny, "--steps", str(steps), "--nodes", "4", "--stages", "2", "--churn", schedule
     )
-    output = _finish(popen, 400)
+    output = _finish(popen, 850)
     assert popen.returncode == 0, output
     assert "churn: kill n3 at" in output and "churn: start n3 at" in output
     report = json.loads((tmp_path / "report.json").read_text())
