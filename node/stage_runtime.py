@@ -315,3 +315,18 @@ class StageRuntime:
         self._contributed.clear()
         self._saved.clear()
         self.step = state.step if step is None else step
+        if self.outer is not None:
+            # The state stream does not carry DiLoCo's anchor and outer momentum
+            # yet: start a round from what arrived, which matches the others only
+            # at a round boundary and with no outer momentum.
+            momentum = self.outer.momentum
+            self.outer = OuterOptimizer(
+                list(self.module.parameters()), lr=self.outer.lr, momentum=momentum
+            )
+            mid_round = self.step % self.config.pipeline.diloco_inner_steps != 0
+            if self.step and (mid_round or momentum):
+                logger.warning(
+                    "joined a running DiLoCo run at step %d: the anchor and outer momentum are "
+                    "not transferred yet, so this replica may drift from the others",
+                    self.step,
+                )

@@ -130,9 +130,10 @@ async def test_a_failing_replica_is_rerouted_around_and_benched(
     router.set_plan(swarm.plan({"bad": 1000.0, "good": 1.0}))
     assert await _send(router) == "good"  # the weights all but force "bad" first
     assert swarm.peers["bad"].calls == 1 and router.health.benched("bad")
-    # Benched: not picked again while another replica is left, whatever its weight.
-    assert {await _send(router, n=i) for i in range(1, 6)} == {"good"}
-    assert swarm.peers["bad"].calls == 1
+    # Benched: not picked while another replica is left, whatever its weight.
+    # (Picks, not sends: the bench lasts about half a second, and five sends on
+    # a loaded machine can outlast it.)
+    assert {router.pick(1).node_id for _ in range(200)} == {"good"}
     await router.close()
 
 
