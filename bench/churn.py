@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from swarmpipe.bench.pipeline import run_testnet
 from swarmpipe.config import add_config_arguments
 
 
@@ -94,34 +92,17 @@ def serve(args: argparse.Namespace) -> int:
     schedule = f"kill {victim}@step{args.kill_at_step}"
     if args.restart_after_steps:
         schedule += f", start fresh-{victim}@step{args.kill_at_step + args.restart_after_steps}"
-    with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-churn-") as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "swarmpipe",
-            "--log-level",
-            "WARNING",
-            "testnet",
-            "--quiet",
-            "--nodes",
-            str(args.nodes),
-            "--stages",
-            str(args.stages),
-            "--steps",
-            str(args.steps),
-            "--out",
-            tmp,
-            "--threads",
-            str(args.threads),
-            "--churn",
-            schedule,
-        ]
-        for item in args.set:
-            cmd += ["--set", item]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"the testnet failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-        report = json.loads((Path(tmp) / "report.json").read_text())
+    report = run_testnet(
+        args.set,
+        args.steps,
+        args.nodes,
+        args.threads,
+        "--stages",
+        str(args.stages),
+        "--churn",
+        schedule,
+        what=f"with churn {schedule!r}",
+    )
     kills = [e for e in report["churn"] if e["action"] == "kill" and e["outcome"] == "killed"]
     if not kills:
         raise SystemExit(f"the kill never happened: {report['churn']}")
