@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where it is used: `swarmpipe --help` stays fast
     import torch
 
+    from swarmpipe.compression import EncoderState
     from swarmpipe.data import Corpus
 
 logger = logging.getLogger(__name__)
@@ -123,22 +124,40 @@ class SimulatedPipeline:
     def __init__(self, overrides: Sequence[str], setting: BoundarySetting) -> None:
         from swarmpipe.config import load_config
         from swarmpipe.node.stage_runtime import StageRuntime
+        from swarmpipe.node.transport import EncodeOptions
 
         self.config = load_config(None, [*overrides, f"model.bottleneck={setting.bottleneck}"])
         self.setting = setting
-        self.block_size = self.config.pipeline.int8_block_size
+        # The node's own codec parameters and, per hop and direction, its encoder memory
+        # (error feedback, warm starts), so each hop encodes exactly as a node would.
+        self.options = EncodeOptions.from_pipeline(self.config.pipeline)
+        self._states: dict[tuple[int, str], EncoderState] = {}
         self.runtimes = [StageRuntime(self.config, s) for s in range(self.config.pipeline.stages)]
         self.hops = len(self.runtimes) - 1
         # Bytes over every hop, and the tokens that crossed each hop, since the start.
         self.wire = {"activation": 0, "gradient": 0, "token_ids": 0, "microbatch_header": 0}
         self.hop_tokens = 0
 
-    def _cross(self, tensor: torch.Tensor, codec: str, direction: str | None) -> torch.Tensor:
-        """`tensor` as the next stage receives it; counts its bytes unless direction is None."""
-        from swarmpipe.compression import decode_tensor, encode_tensor
+    def _cross(
+        self, tensor: torch.Tensor, codec: str, hop: int, direction: str, *, count: bool = True
+    ) -> torch.Tensor:
+        """`tensor` as the other side of `hop` receives it; counts its bytes when `count`."""
+        from swarmpipe.compression import EncoderState, decode_tensor, encode_tensor
 
-        header, payload = encode_tensor(tensor, codec, block_size=self.block_size)
-        if direction is not None:
+        key = (hop, direction)
+        if key not in self._states:
+            self._states[key] = EncoderState(error_feedback=direction != "activation")
+        o = self.options
+        header, payload = encode_tensor(
+            tensor,
+            codec,
+            block_size=o.block_size,
+            channel_blocks=o.channel_blocks,
+            topk_fraction=o.topk_fraction,
+            rank=o.lowrank_rank,
+            state=self._states[key],
+        )
+        if count:
             self.wire[direction] += header.ByteSize() + len(payload)
         return decode_tensor(header, payload)
 
@@ -166,13 +185,13 @@ class SimulatedPipeline:
         x = tokens
         for index, runtime in enumerate(self.runtimes[:-1]):
             out = runtime.forward(f"{microbatch_id}/{index}", microbatch_id, x, tokens)
-            x = self._cross(out, s.activation_codec, "activation")
+            x = self._cross(out, s.activation_codec, index, "activation")
             self._count_headers(tokens, labels)
         last = self.runtimes[-1].forward_last(microbatch_id, x, labels, tokens)
         grad = last.grad_input
         for index in range(len(self.runtimes) - 2, -1, -1):
             assert grad is not None  # only stage 0 returns no input gradient
-            grad = self._cross(grad, s.gradient_codec, "gradient")
+            grad = self._cross(grad, s.gradient_codec, index, "gradient")
             grad = self.runtimes[index].backward(f"{microbatch_id}/{index}", grad)
         return last.loss_sum, last.tokens
 
@@ -206,7 +225,9 @@ class SimulatedPipeline:
                 for index, runtime in enumerate(self.runtimes):
                     x = runtime.module(x if index == 0 else x.float(), tokens)
                     if index < self.hops:
-                        x = self._cross(x, self.setting.activation_codec, None)
+                        x = self._cross(
+                            x, self.setting.activation_codec, index, "activation", count=False
+                        )
                 loss_sum += float(token_loss_sum(x, y_all[start : start + EVAL_BATCH]))
         return loss_sum / y_all.numel()
 
