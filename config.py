@@ -31,6 +31,8 @@ _CODEC_ENUMS = {
 }
 CODEC_NAMES = tuple(_CODEC_ENUMS)
 SYNC_MODES = ("every_step", "diloco")
+DEFAULT_AUTO_CODECS = ("lossless", "fp16", "bf16", "int8", "int4")
+"""Auto mode's ladder unless a run sets its own: the dense codecs, least lossy first."""
 
 AUTO_CODEC = "auto"
 """The codec setting that lets each sender pick a codec per link from what it measures."""
@@ -179,6 +181,11 @@ class PipelineConfig:
     """Codec for gradients sent upstream: lossless, fp16, bf16, int8, int4, topk,
     lowrank, or auto (each
     gradient's sender picks per upstream peer, as for activations)."""
+    auto_activation_codecs: tuple[str, ...] = DEFAULT_AUTO_CODECS
+    """The codecs auto mode chooses among for activations, least lossy first: the sender
+    takes the first whose transfer fits, or the smallest when none does."""
+    auto_gradient_codecs: tuple[str, ...] = DEFAULT_AUTO_CODECS
+    """The same for gradients; e.g. append "topk" for links too slow even for int4."""
     link_mbit: float = 0.0
     """Limit on what each node sends to each peer, in Mbit/s (each direction of a link is
     limited on its own, like a full-duplex line); 0 means unlimited. For testnets and
@@ -228,6 +235,15 @@ class PipelineConfig:
                 raise ConfigError(
                     f"pipeline.{name}={value!r} is not one of "
                     f"{', '.join(CODEC_NAMES)}, {AUTO_CODEC}"
+                )
+        for name in ("auto_activation_codecs", "auto_gradient_codecs"):
+            ladder = getattr(self, name)
+            unknown = [c for c in ladder if c not in CODEC_NAMES]
+            if not ladder or unknown or len(set(ladder)) != len(ladder):
+                raise ConfigError(
+                    f"pipeline.{name}={list(ladder)} must list distinct codecs from "
+                    f"{', '.join(CODEC_NAMES)}, least lossy first"
+                    + (f" ({', '.join(map(repr, unknown))} unknown)" if unknown else "")
                 )
         if not self.link_mbit >= 0:  # also refuses NaN
             raise ConfigError(

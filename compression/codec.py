@@ -149,6 +149,33 @@ class TensorCodec(abc.ABC):
     def expected_payload_bytes(self, header: tensor_pb2.TensorHeader) -> int:
         """Payload length a valid header implies; call `check_header` first."""
 
+    def planned_payload_bytes(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        topk_fraction: float = DEFAULT_TOPK_FRACTION,
+        rank: int = DEFAULT_LOWRANK_RANK,
+    ) -> int:
+        """Payload bytes `encode` sends for a finite tensor of this shape and dtype with these
+        parameters, without encoding one: what auto codec choice weighs each candidate by."""
+        header = tensor_pb2.TensorHeader(
+            dtype=dtype_enum(dtype),
+            shape=shape,
+            codec=self.codec_id,
+            block_size=block_size if self.blockwise else 0,
+        )
+        self._plan_header(header, topk_fraction=topk_fraction, rank=rank)
+        return self.expected_payload_bytes(header)
+
+    def _plan_header(
+        self, header: tensor_pb2.TensorHeader, *, topk_fraction: float, rank: int
+    ) -> None:
+        """Set the `header_fields` that encoding a finite tensor with these parameters sets;
+        codecs with such fields override it."""
+        return  # most codecs have none
+
     def _encode_flat(self, flat: torch.Tensor, block_size: int, rounding: Rounding) -> torch.Tensor:
         """The payload of a 1-D tensor as a 1-D uint8 tensor on the input's device; every
         codec that is not `stateful` implements it.

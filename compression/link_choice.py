@@ -17,14 +17,16 @@ from collections.abc import Sequence
 
 import torch
 
-from swarmpipe.compression.codec import dtype_enum
 from swarmpipe.compression.registry import CODECS_BY_NAME, get_codec
-from swarmpipe.protos import tensor_pb2
+from swarmpipe.config import DEFAULT_AUTO_CODECS
 
-LOSSINESS_ORDER: tuple[str, ...] = ("lossless", "fp16", "bf16", "int8", "int4")
-"""Dense codecs from least to most lossy; auto mode chooses among these. bf16 sends as many
-bytes as fp16 with fewer mantissa bits, so it is picked only where fp16 cannot encode the
-tensor. A new codec joins auto mode by taking its place in this order."""
+LOSSINESS_ORDER: tuple[str, ...] = DEFAULT_AUTO_CODECS
+"""The dense codecs from least to most lossy: auto mode's default ladder for both directions
+(`pipeline.auto_activation_codecs`, `auto_gradient_codecs`). bf16 sends as many bytes as fp16
+with fewer mantissa bits, so it is picked only where fp16 cannot encode the tensor. A run that
+meets links too slow even for int4 appends `topk` (gradients: it keeps 1 % of the entries and
+feeds the rest back) or `lowrank` to a ladder; how lossy those are depends on the tensor, so
+they join only where a run asks for them."""
 
 UPGRADE_HEADROOM = 0.7
 """A less lossy codec replaces the current one only when its transfer fits in this fraction of
@@ -38,30 +40,33 @@ microbatch to the next; a link that compresses a little more than it needs for a
 costs nothing in throughput, one that flaps back too early costs a slow transfer."""
 
 
-def candidates(dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
-    """The Codec values auto mode may use for tensors of `dtype`, least lossy first."""
+def candidates(
+    names: Sequence[str] = LOSSINESS_ORDER, dtype: torch.dtype = torch.float32
+) -> tuple[int, ...]:
+    """The Codec values of the ladder `names` (least lossy first) that can encode `dtype`."""
     return tuple(
         CODECS_BY_NAME[name].codec_id
-        for name in LOSSINESS_ORDER
+        for name in names
         if name in CODECS_BY_NAME and dtype in CODECS_BY_NAME[name].dtypes
     )
 
 
 def wire_bytes(
-    codec_ids: Sequence[int], shape: Sequence[int], dtype: torch.dtype, block_size: int
+    codec_ids: Sequence[int],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    *,
+    block_size: int,
+    topk_fraction: float,
+    rank: int,
 ) -> list[int]:
     """Payload bytes each codec would send for a tensor of this shape, without encoding it."""
-    sizes = []
-    for codec_id in codec_ids:
-        codec = get_codec(codec_id)
-        header = tensor_pb2.TensorHeader(
-            dtype=dtype_enum(dtype),
-            shape=shape,
-            codec=codec.codec_id,
-            block_size=block_size if codec.blockwise else 0,
+    return [
+        get_codec(codec_id).planned_payload_bytes(
+            shape, dtype, block_size=block_size, topk_fraction=topk_fraction, rank=rank
         )
-        sizes.append(codec.expected_payload_bytes(header))
-    return sizes
+        for codec_id in codec_ids
+    ]
 
 
 def pick_codec(

@@ -52,6 +52,13 @@ def factor_bytes(n: int, m: int, rank: int) -> int:
     return 4 + 4 * rank * (n + m)
 
 
+def planned_rank(n: int, m: int, rank: int, itemsize: int) -> int:
+    """The rank a finite [n, m] matrix is sent at: at most `rank`, and 0 (the matrix itself)
+    where the factors would not be smaller."""
+    r = min(rank, n, m)
+    return r if r > 0 and factor_bytes(n, m, r) < n * m * itemsize else 0
+
+
 class LowRankCodec(TensorCodec):
     """fp32 factors P, Q and a scale, or the tensor itself where factors would not pay."""
 
@@ -65,6 +72,12 @@ class LowRankCodec(TensorCodec):
         if header.rank == 0:
             return n * m * header_dtype(header).itemsize
         return factor_bytes(n, m, header.rank)
+
+    def _plan_header(
+        self, header: tensor_pb2.TensorHeader, *, topk_fraction: float, rank: int
+    ) -> None:
+        n, m = matrix_dims(list(header.shape))
+        header.rank = planned_rank(n, m, rank, header_dtype(header).itemsize)
 
     def check_header(self, header: tensor_pb2.TensorHeader) -> None:
         super().check_header(header)
@@ -103,12 +116,11 @@ class LowRankCodec(TensorCodec):
         tensor); updates `state` under its hold."""
         dtype = header_dtype(header)
         n, m = matrix_dims(list(header.shape))
-        r = min(rank, n, m)
+        r = planned_rank(n, m, rank, dtype.itemsize)
         matrix = x.view(n, m).float() if x.numel() else x
         # absmax is inf or NaN exactly when some element is: one pass decides both.
         scale = matrix.abs().amax() if x.numel() else torch.zeros(())
-        pays = r > 0 and factor_bytes(n, m, r) < n * m * dtype.itemsize
-        if not pays or not bool(scale.isfinite()):
+        if r == 0 or not bool(scale.isfinite()):
             header.rank = 0
             dense = x.to(dtype)
             if dtype == torch.float16 and x.dtype != torch.float16:

@@ -55,6 +55,11 @@ class TopKCodec(TensorCodec):
         itemsize = header_dtype(header).itemsize
         return 4 * _spans(n) + header.kept * (itemsize + 2)
 
+    def _plan_header(
+        self, header: tensor_pb2.TensorHeader, *, topk_fraction: float, rank: int
+    ) -> None:
+        header.kept = kept_entries(numel(header.shape), topk_fraction)
+
     def check_header(self, header: tensor_pb2.TensorHeader) -> None:
         super().check_header(header)
         if header.kept > numel(header.shape):
@@ -75,8 +80,8 @@ class TopKCodec(TensorCodec):
         if not 0.0 < topk_fraction <= 1.0:
             raise CodecError(f"topk_fraction must be in (0, 1], not {topk_fraction}")
         n = flat.numel()
-        k = kept_entries(n, topk_fraction)
-        header.kept = k
+        self._plan_header(header, topk_fraction=topk_fraction, rank=rank)
+        k = header.kept
         dtype = flat.dtype
         size = self.expected_payload_bytes(header)
         out = torch.empty(size, dtype=torch.uint8, device=flat.device)

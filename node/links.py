@@ -181,11 +181,18 @@ class Links:
         if requested:
             codec = requested
         else:
+            o = self.options
             if state.chooser is None:
-                state.chooser = CodecChooser(candidates(tensor.dtype))
+                ladder = o.auto_gradient if direction == "gradient" else o.auto_activation
+                state.chooser = CodecChooser(candidates(ladder, tensor.dtype))
             chooser = state.chooser
             sizes = wire_bytes(
-                chooser.codec_ids, tensor.shape, tensor.dtype, self.options.block_size
+                chooser.codec_ids,
+                tensor.shape,
+                tensor.dtype,
+                block_size=o.block_size,
+                topk_fraction=o.topk_fraction,
+                rank=o.lowrank_rank,
             )
             codec = chooser.update(sizes, bytes_per_second=bandwidth, budget_seconds=budget)
         if codec != state.codec:

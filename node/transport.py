@@ -23,7 +23,7 @@ from swarmpipe.compression import (
     encode_tensor,
     iter_chunks,
 )
-from swarmpipe.config import PipelineConfig
+from swarmpipe.config import DEFAULT_AUTO_CODECS, PipelineConfig
 from swarmpipe.errors import PeerError
 from swarmpipe.protos import control_pb2, tensor_pb2
 
@@ -52,6 +52,10 @@ class EncodeOptions:
     """Share of entries the topk codec keeps."""
     lowrank_rank: int = DEFAULT_LOWRANK_RANK
     """Factor width of the lowrank codec."""
+    auto_activation: tuple[str, ...] = DEFAULT_AUTO_CODECS
+    """Codecs auto mode chooses among for activations, least lossy first."""
+    auto_gradient: tuple[str, ...] = DEFAULT_AUTO_CODECS
+    """Codecs auto mode chooses among for gradients, least lossy first."""
 
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig) -> EncodeOptions:
@@ -60,6 +64,8 @@ class EncodeOptions:
             channel_blocks=pipeline.int8_channel_blocks,
             topk_fraction=pipeline.topk_fraction,
             lowrank_rank=pipeline.lowrank_rank,
+            auto_activation=pipeline.auto_activation_codecs,
+            auto_gradient=pipeline.auto_gradient_codecs,
         )
 
 

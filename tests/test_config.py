@@ -44,6 +44,10 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         (["pipeline.hop_timeout_min_s=200"], "at most pipeline.hop_timeout_s"),
         (["pipeline.diloco_inner_steps=0"], "diloco_inner_steps must be >= 1"),
         (["pipeline.diloco_outer_momentum=1.0"], "must be in [0, 1)"),
+        (['pipeline.auto_gradient_codecs=["int8", "zip"]'], "('zip' unknown)"),
+        (['pipeline.auto_activation_codecs=["int8", "int8"]'], "must list distinct codecs"),
+        (["pipeline.auto_activation_codecs=[]"], "must list distinct codecs"),
+        (["pipeline.auto_gradient_codecs=int8"], "auto_gradient_codecs must be a list"),
     ],
 )
 def test_bad_config_is_a_clear_error(overrides: list[str], message: str) -> None:
@@ -75,6 +79,9 @@ def test_auto_codecs_and_a_link_limit_load() -> None:
     assert config.pipeline.activation_codec == "auto" and config.pipeline.link_mbit == 10.0
     assert codec_enum("auto") == 0  # CODEC_UNSPECIFIED: each sender chooses per link
     assert load_config().pipeline.link_mbit == 0.0  # unlimited unless asked
+    ladder = load_config(None, ['pipeline.auto_gradient_codecs=["lossless", "int4", "topk"]'])
+    assert ladder.pipeline.auto_gradient_codecs == ("lossless", "int4", "topk")
+    assert ladder.pipeline.auto_activation_codecs == ("lossless", "fp16", "bf16", "int8", "int4")
 
 
 def test_the_deploy_example_config_loads() -> None:

@@ -21,8 +21,10 @@ SHAPE = (8, 64, 128)  # an activation of the default model: microbatch x context
 BLOCK = 256
 
 
-def _sizes() -> list[int]:
-    return wire_bytes(candidates(), SHAPE, torch.float32, BLOCK)
+def _sizes(ladder: tuple[str, ...] = LOSSINESS_ORDER) -> list[int]:
+    return wire_bytes(
+        candidates(ladder), SHAPE, torch.float32, block_size=BLOCK, topk_fraction=0.01, rank=8
+    )
 
 
 def _pick(bandwidth: float, budget: float, current: int = 0) -> str:
@@ -38,14 +40,52 @@ CODECS_BY_NAME_BY_ID = {codec.codec_id: name for name, codec in CODECS_BY_NAME.i
 def test_candidates_run_from_least_to_most_lossy() -> None:
     assert candidates() == tuple(ID[name] for name in LOSSINESS_ORDER)
     # Integer tensors can only go lossless.
-    assert candidates(torch.int64) == (ID["lossless"],)
+    assert candidates(dtype=torch.int64) == (CODECS_BY_NAME["lossless"].codec_id,)
+    # A run's own ladder keeps its order.
+    ladder = ("lossless", "int8", "topk")
+    assert candidates(ladder) == tuple(CODECS_BY_NAME[n].codec_id for n in ladder)
 
 
-def test_wire_bytes_match_what_the_codecs_send() -> None:
-    tensor = torch.randn(SHAPE)
-    for codec, size in zip(candidates(), _sizes(), strict=True):
-        header, payload = encode_tensor(tensor, codec, block_size=BLOCK)
-        assert size == len(payload) == header.payload_bytes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("shape", "fraction", "rank"),
+    [
+        (SHAPE, 0.01, 8),
+        ((3, 5), 0.5, 2),  # factors would not pay at rank 2: lowrank sends it dense
+        ((1000,), 0.001, 4),  # a vector: rank 1 at most
+        ((2, 70_000), 0.3, 8),  # more than one top-k span
+        ((), 0.5, 8),
+        ((0, 4), 0.01, 8),
+    ],
+)
+def test_wire_bytes_match_what_the_codecs_send(
+    shape: tuple[int, ...], fraction: float, rank: int, dtype: torch.dtype
+) -> None:
+    tensor = torch.randn(shape).to(dtype)
+    codecs = candidates(tuple(CODECS_BY_NAME), dtype)
+    sizes = wire_bytes(codecs, shape, dtype, block_size=BLOCK, topk_fraction=fraction, rank=rank)
+    for codec, size in zip(codecs, sizes, strict=True):
+        header, payload = encode_tensor(
+            tensor, codec, block_size=BLOCK, topk_fraction=fraction, rank=rank
+        )
+        assert size == len(payload) == header.payload_bytes, CODECS_BY_NAME_BY_ID[codec]
+
+
+def test_a_ladder_ending_in_topk_reaches_it_only_when_int4_does_not_fit() -> None:
+    ladder = (*LOSSINESS_ORDER, "topk")
+    sizes = _sizes(ladder)
+    int4, topk = sizes[ladder.index("int4")], sizes[ladder.index("topk")]
+    assert topk * 5 < int4  # 1 % of the entries at ~6 bytes each against half a byte each
+
+    def pick(bandwidth: float) -> str:
+        codec = pick_codec(
+            candidates(ladder), sizes, bytes_per_second=bandwidth, budget_seconds=1.0, current=0
+        )
+        return CODECS_BY_NAME_BY_ID[codec]
+
+    assert pick(bandwidth=int4 * 1.01) == "int4"
+    assert pick(bandwidth=int4 * 0.99) == "topk"
+    assert pick(bandwidth=topk * 0.5) == "topk"  # nothing fits: the fewest bytes
 
 
 def test_a_fast_link_sends_lossless() -> None:

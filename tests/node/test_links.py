@@ -71,6 +71,18 @@ async def test_auto_starts_lossless_then_follows_the_measured_link() -> None:
     assert estimate.changes[1].timestamp > 1e9
 
 
+async def test_each_direction_chooses_from_its_own_ladder() -> None:
+    links, clock = _links()
+    ladders = EncodeOptions(block_size=256, auto_gradient=("lossless", "int8", "int4", "topk"))
+    links.configure(limit_bytes_per_second=0.0, options=ladders)
+    links.record_compute(0.05)
+    # A link so slow (100 kB/s) that not even int4's 33 KiB crosses in the 50 ms budget.
+    await _send(links, clock, "n1", 100_000, rate=1e5)
+    activation = links.codec_for("n1", "activation", ACTIVATION, step=1, requested=0)
+    gradient = links.codec_for("n1", "gradient", ACTIVATION, step=1, requested=0)
+    assert (_name(activation), _name(gradient)) == ("int4", "topk")
+
+
 async def test_a_requested_codec_is_used_as_it_is_and_recorded() -> None:
     links, _ = _links()
     int8 = tensor_pb2.CODEC_BLOCKWISE_INT8
