@@ -25,7 +25,7 @@ import torch
 from swarmpipe.compression import get_codec
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
-from swarmpipe.node.router import HopError
+from swarmpipe.node.router import HopError, HopResult
 from swarmpipe.node.token_ids import decode_token_ids
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
@@ -111,6 +111,37 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
 
+    async def _send_downstream(
+        self,
+        header: stage_pb2.MicrobatchHeader,
+        output: torch.Tensor,
+        context: grpc.aio.ServicerContext,
+    ) -> HopResult:
+        """This stage's output on to the next stage, within the caller's deadline; a failed
+        hop aborts the call with ABORTED, not UNAVAILABLE: this node is healthy, so the
+        sender resends without benching it."""
+        d = self.daemon
+        downstream = stage_pb2.MicrobatchHeader()
+        downstream.CopyFrom(header)
+        downstream.hop = d.stage + 1
+        downstream.sender_node = d.node_id
+        remaining = context.time_remaining()
+        try:
+            # One reroute here saves the upstream sender from redoing this stage; more
+            # would outlast the deadline it measured.
+            return await d.router.send_rerouting(
+                d.stage + 1,
+                downstream,
+                output,
+                codec=d.activation_codec,
+                attempts=MIDDLE_HOP_ATTEMPTS,
+                deadline=None if remaining is None else time.monotonic() + remaining,
+            )
+        except HopError as exc:
+            logger.debug("downstream hop failed: %s", exc)
+            await context.abort(grpc.StatusCode.ABORTED, f"downstream: {exc}")
+            raise  # unreachable: abort raises
+
     async def _evaluate(
         self,
         header: stage_pb2.MicrobatchHeader,
@@ -136,24 +167,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 output = await d.compute.run(
                     FORWARD, lambda: runtime.forward_eval(activation, tokens)
                 )
-                downstream = stage_pb2.MicrobatchHeader()
-                downstream.CopyFrom(header)
-                downstream.hop = d.stage + 1
-                downstream.sender_node = d.node_id
-                remaining = context.time_remaining()
-                try:
-                    hop = await d.router.send_rerouting(
-                        d.stage + 1,
-                        downstream,
-                        output,
-                        codec=d.activation_codec,
-                        attempts=MIDDLE_HOP_ATTEMPTS,
-                        deadline=None if remaining is None else time.monotonic() + remaining,
-                    )
-                except HopError as exc:
-                    logger.debug("downstream hop of an evaluation failed: %s", exc)
-                    await context.abort(grpc.StatusCode.ABORTED, f"downstream: {exc}")
-                    raise  # unreachable
+                hop = await self._send_downstream(header, output, context)
                 result = stage_pb2.MicrobatchResult()
                 result.CopyFrom(hop.result)
                 result.stages_done += 1
@@ -233,28 +247,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 output, forward_s = await d.compute.run_timed(
                     FORWARD, lambda: runtime.forward(key, header.microbatch_id, activation, tokens)
                 )
-                downstream = stage_pb2.MicrobatchHeader()
-                downstream.CopyFrom(header)
-                downstream.hop = d.stage + 1
-                downstream.sender_node = d.node_id
-                remaining = context.time_remaining()
-                try:
-                    # One reroute here saves the upstream sender from redoing
-                    # this stage; more would outlast the deadline it measured.
-                    hop = await d.router.send_rerouting(
-                        d.stage + 1,
-                        downstream,
-                        output,
-                        codec=d.activation_codec,
-                        attempts=MIDDLE_HOP_ATTEMPTS,
-                        deadline=None if remaining is None else time.monotonic() + remaining,
-                    )
-                except HopError as exc:
-                    logger.debug("downstream hop failed: %s", exc)
-                    # ABORTED, not UNAVAILABLE: this node is healthy, so the
-                    # sender resends without benching it.
-                    await context.abort(grpc.StatusCode.ABORTED, f"downstream: {exc}")
-                    raise  # unreachable
+                hop = await self._send_downstream(header, output, context)
                 if hop.grad_input is None:
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE, "the next stage returned no gradient"
