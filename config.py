@@ -83,6 +83,9 @@ class ModelConfig:
     stage re-adds a token embedding (token ids then travel with each microbatch, one byte per
     token for a byte vocabulary). k = d_model is the full-width twin to compare a bottleneck
     against. Built-in GPT only."""
+    bottleneck_lr_scale: float = 0.1
+    """Learning rate of the boundary projections relative to train.lr (model/bottleneck.py
+    `build_optimizer` says why they need a smaller one)."""
 
     def __post_init__(self) -> None:
         if self.n_layers < 1 or self.d_model < 1 or self.context < 1 or self.vocab < 2:
@@ -93,6 +96,10 @@ class ModelConfig:
             )
         if self.factory and ":" not in self.factory:
             raise ConfigError(f"model.factory={self.factory!r} must look like 'package.module:fn'")
+        if not self.bottleneck_lr_scale > 0:  # also refuses NaN
+            raise ConfigError(
+                f"model.bottleneck_lr_scale={self.bottleneck_lr_scale} must be positive"
+            )
         if not 0 <= self.bottleneck <= self.d_model:
             raise ConfigError(
                 f"model.bottleneck={self.bottleneck} must be 0 (off) or a width in "

@@ -8,7 +8,8 @@ stages; `build_full_model` is the uncut model of the single-process baseline
 backpropagates: summed, so gradients are divided by the token count once per step.
 `BottleneckDown`/`BottleneckUp` are the learned boundary `model.bottleneck` puts at
 every stage cut; `StageModule` runs a stage's modules and hands token ids to the
-ones that re-add token embeddings.
+ones that re-add token embeddings. `build_optimizer` is every stage's (and the
+baseline's) AdamW, with the boundary projections at their own learning rate.
 """
 
 from swarmpipe.model.bottleneck import (
@@ -16,6 +17,7 @@ from swarmpipe.model.bottleneck import (
     BottleneckUp,
     build_bottleneck_down,
     build_bottleneck_up,
+    build_optimizer,
 )
 from swarmpipe.model.gpt import Block, Embedding, Head, build_gpt_layer, build_gpt_layers
 from swarmpipe.model.partition import (
@@ -39,6 +41,7 @@ __all__ = [
     "build_full_model",
     "build_gpt_layer",
     "build_gpt_layers",
+    "build_optimizer",
     "build_stage",
     "n_model_layers",
     "stage_layer_ranges",

@@ -23,10 +23,12 @@ its boundary modules alone with the parameters the whole model would give them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from swarmpipe.config import ModelConfig
+from swarmpipe.config import ModelConfig, RunConfig
 from swarmpipe.model.gpt import Embedding, layer_generator
 
 
@@ -95,3 +97,30 @@ def build_bottleneck_up(cfg: ModelConfig, seed: int, boundary: int) -> Bottlenec
         module.embed.tok.weight.normal_(0.0, 0.02, generator=generator)
         module.embed.pos.weight.normal_(0.0, 0.02, generator=generator)
     return module
+
+
+def build_optimizer(module: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW over `module`, with the boundary projections at `model.bottleneck_lr_scale`
+    times the learning rate.
+
+    Why they need their own rate: every other matrix sits in a residual branch, whose output
+    is added to the stream, while a boundary's Down and Up multiply the whole stream. Adam
+    moves every entry by about the learning rate per step whatever its gradient's size, so
+    at train.lr a full-width pair drifts from the identity fast enough to scramble the stream
+    (the k = d_model twin then trains far worse than the plain model; with the projections
+    frozen it trains better). The scale is one rule for every k, so a bottleneck and its
+    twin are trained alike.
+    """
+    t = cfg.train
+    projections: list[torch.Tensor] = []
+    for m in module.modules():
+        if isinstance(m, BottleneckDown):
+            projections.append(m.down.weight)
+        elif isinstance(m, BottleneckUp):
+            projections.append(m.up.weight)
+    chosen = {id(p) for p in projections}
+    rest = [p for p in module.parameters() if id(p) not in chosen]
+    groups: list[dict[str, Any]] = [{"params": rest}]
+    if projections:
+        groups.append({"params": projections, "lr": t.lr * cfg.model.bottleneck_lr_scale})
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)

@@ -14,6 +14,7 @@ from torch import nn
 
 from swarmpipe.config import RunConfig
 from swarmpipe.data import Corpus
+from swarmpipe.model.bottleneck import build_optimizer
 from swarmpipe.model.partition import StageModule, build_full_model, token_loss_sum
 
 
@@ -34,9 +35,7 @@ def train_single_process(
     model.train()
     corpus = Corpus.load(cfg.data, cfg.model.context, cfg.train.seed)
     t = cfg.train
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
-    )
+    optimizer = build_optimizer(model, cfg)
     losses = []
     total = t.steps if steps is None else steps
     for step in range(total):

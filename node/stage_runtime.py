@@ -26,7 +26,7 @@ import torch
 
 from swarmpipe.config import RunConfig
 from swarmpipe.errors import PeerError
-from swarmpipe.model import build_stage, token_loss_sum
+from swarmpipe.model import build_optimizer, build_stage, token_loss_sum
 from swarmpipe.node.diloco import OuterOptimizer
 from swarmpipe.node.stage_state import ReceivedState, StateSnapshot, take_snapshot
 
@@ -63,10 +63,7 @@ class StageRuntime:
         m = config.model
         # What arrives from the previous stage is k wide after a bottleneck boundary.
         self.input_width = m.bottleneck if m.bottleneck and not self.is_first else m.d_model
-        t = config.train
-        self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
-        )
+        self.optimizer = build_optimizer(self.module, config)
         self.step = 0
         self.tokens_accumulated = 0
         self.samples_accumulated = 0

@@ -12,6 +12,7 @@ from swarmpipe.model import (
     BottleneckDown,
     BottleneckUp,
     build_full_model,
+    build_optimizer,
     build_stage,
     token_loss_sum,
 )
@@ -89,6 +90,26 @@ def test_a_stage_after_a_boundary_refuses_to_run_without_token_ids() -> None:
         stage(torch.randn(2, 16, 4))
 
 
+@pytest.mark.parametrize("k", [4, 32])
+def test_the_boundary_projections_learn_at_their_own_rate(k: int) -> None:
+    config = load_config(
+        None,
+        [*SMALL, "pipeline.stages=3", f"model.bottleneck={k}", "model.bottleneck_lr_scale=0.25"],
+    )
+    model = build_full_model(config)
+    optimizer = build_optimizer(model, config)
+    rest, projections = optimizer.param_groups
+    assert rest["lr"] == config.train.lr and projections["lr"] == 0.25 * config.train.lr
+    # Two boundaries, a Down and an Up each; every other parameter (the Up's own embedding
+    # included) learns at train.lr, and none is left out or counted twice.
+    assert [tuple(p.shape) for p in projections["params"]] == [(k, 32), (32, k)] * 2
+    counted = len(rest["params"]) + len(projections["params"])
+    assert counted == len(list(model.parameters()))
+    # Without boundaries there is one group, as before the option existed.
+    plain = load_config(None, [*SMALL, "pipeline.stages=3"])
+    assert len(build_optimizer(build_full_model(plain), plain).param_groups) == 1
+
+
 def test_without_the_option_the_model_has_no_boundaries() -> None:
     config = load_config(None, [*SMALL, "pipeline.stages=3"])
     modules = list(build_full_model(config))
@@ -105,6 +126,8 @@ def test_without_the_option_the_model_has_no_boundaries() -> None:
         ),
         (["model.bottleneck=-1"], "must be 0"),
         (["model.bottleneck=4", "model.factory=pkg.mod:fn"], "built-in GPT only"),
+        (["model.bottleneck_lr_scale=0"], "model.bottleneck_lr_scale=0.0 must be positive"),
+        (["model.bottleneck_lr_scale=nan"], "must be positive"),
     ],
 )
 def test_bad_bottleneck_settings_are_config_errors(settings: list[str], message: str) -> None:
