@@ -228,9 +228,7 @@ class Testnet:
         steps = len(status.steps)
         stages = {n.node_id: n.stage for n in status.nodes}
         for event in self.churn.due(elapsed, steps):
-            self._perform(
-                event.action, event.node, event.when, elapsed=elapsed, steps=steps, stages=stages
-            )
+            self._perform(event.action, event.node, event.when, steps=steps, stages=stages)
         online: dict[int, list[str]] = {}
         for n in status.nodes:
             child = self.group.latest(n.node_id)
@@ -243,7 +241,7 @@ class Testnet:
                 ChurnRecord("kill", "", "random", elapsed, steps, -1, "skipped: no stage has 2")
             )
         elif victim is not None:
-            self._perform("kill", victim, "random", elapsed=elapsed, steps=steps, stages=stages)
+            self._perform("kill", victim, "random", steps=steps, stages=stages)
 
     def _perform(
         self,
@@ -251,10 +249,14 @@ class Testnet:
         node: str,
         planned: str,
         *,
-        elapsed: float,
         steps: int,
         stages: dict[str, int],
     ) -> None:
+        # Each action's own time: several can fall due in one poll (a fast run
+        # finishes steps 3 to 5 between two polls), and a start that follows a
+        # kill must not be reported as simultaneous with it.
+        assert self.training_since is not None
+        elapsed = time.monotonic() - self.training_since
         child: Child | None = self.group.latest(node)
         if action == "kill":
             killed = child is not None and self.group.kill_on_purpose(child)
