@@ -35,6 +35,8 @@ DEFAULT_AUTO_CODECS = ("lossless", "fp16", "bf16", "int8", "int4")
 """Auto mode's ladder unless a run sets its own: the dense codecs, least lossy first."""
 
 AUTO_CODEC = "auto"
+ROUNDING_ROLES = ("activation", "gradient", "reduce")
+"""The tensor roles `pipeline.stochastic_rounding` may name."""
 """The codec setting that lets each sender pick a codec per link from what it measures."""
 
 
@@ -203,6 +205,10 @@ class PipelineConfig:
     """Whether int8 and int4 blocks run down the rows of each channel (last dimension) rather
     than along the flattened tensor: same bytes, and outlier channels no longer coarsen
     every block they cross (4x less error with 1% of channels x20)."""
+    stochastic_rounding: tuple[str, ...] = ()
+    """Tensor roles whose int8/int4 encodings round stochastically (unbiased, at up to one
+    step of error instead of half): any of "activation", "gradient" (activation gradients
+    sent upstream) and "reduce" (the replicas' gradient exchange). Other codecs ignore it."""
     topk_fraction: float = 0.01
     """Share of a tensor's entries the topk codec sends (the largest magnitudes), in (0, 1]."""
     lowrank_rank: int = 8
@@ -258,6 +264,12 @@ class PipelineConfig:
             )
         if self.int8_block_size < 1:
             raise ConfigError("pipeline.int8_block_size must be >= 1")
+        unknown = [r for r in self.stochastic_rounding if r not in ROUNDING_ROLES]
+        if unknown:
+            raise ConfigError(
+                f"pipeline.stochastic_rounding={list(self.stochastic_rounding)} may name only "
+                f"{', '.join(ROUNDING_ROLES)} ({', '.join(map(repr, unknown))} unknown)"
+            )
         if not 0.0 < self.topk_fraction <= 1.0:
             raise ConfigError(
                 f"pipeline.topk_fraction={self.topk_fraction} must be in (0, 1]: the share of "

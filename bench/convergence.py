@@ -152,6 +152,7 @@ class SimulatedPipeline:
             tensor,
             codec,
             block_size=o.block_size,
+            rounding=o.rounding(codec, direction, tensor.device),
             channel_blocks=o.channel_blocks,
             topk_fraction=o.topk_fraction,
             rank=o.lowrank_rank,

@@ -221,7 +221,7 @@ class ReplicaSync:
         assert config is not None
         peers = self._peers()
         codec = codec_enum(config.pipeline.reduce_codec)
-        encoded = await encode(own[0], codec, d.links.options, state=self._encoder)
+        encoded = await encode(own[0], codec, d.links.options, role="reduce", state=self._encoder)
         if codec != tensor_pb2.CODEC_LOSSLESS:
             # Add what the others will decode, not the exact vector, so every
             # replica sums the very same numbers.

@@ -151,6 +151,7 @@ class Router:
             activation,
             codec,
             self.links.options,
+            role="activation",
             state=self.links.encoder_state(peer, "activation"),
         )
         stub = stage_pb2_grpc.StageStub(self.channel(replica.address))

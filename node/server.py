@@ -280,7 +280,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             requested=header.gradient_codec or d.gradient_codec,
         )
         encoded = await encode(
-            grad_input, codec, d.links.options, state=d.links.encoder_state(peer, "gradient")
+            grad_input,
+            codec,
+            d.links.options,
+            role="gradient",
+            state=d.links.encoder_state(peer, "gradient"),
         )
         async with d.links.transfer(peer, "gradient") as link:
             message = stage_pb2.BackwardMessage(tensor=encoded.header)

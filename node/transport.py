@@ -18,9 +18,12 @@ from swarmpipe.compression import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_LOWRANK_RANK,
     DEFAULT_TOPK_FRACTION,
+    NEAREST,
     EncoderState,
+    Rounding,
     TensorAssembler,
     encode_tensor,
+    get_codec,
     iter_chunks,
 )
 from swarmpipe.config import DEFAULT_AUTO_CODECS, PipelineConfig
@@ -56,6 +59,9 @@ class EncodeOptions:
     """Codecs auto mode chooses among for activations, least lossy first."""
     auto_gradient: tuple[str, ...] = DEFAULT_AUTO_CODECS
     """Codecs auto mode chooses among for gradients, least lossy first."""
+    stochastic_rounding: tuple[str, ...] = ()
+    """Roles ("activation", "gradient", "reduce") whose int8/int4 encodings round
+    stochastically."""
 
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig) -> EncodeOptions:
@@ -66,7 +72,19 @@ class EncodeOptions:
             lowrank_rank=pipeline.lowrank_rank,
             auto_activation=pipeline.auto_activation_codecs,
             auto_gradient=pipeline.auto_gradient_codecs,
+            stochastic_rounding=pipeline.stochastic_rounding,
         )
+
+    def rounding(self, codec: int | str, role: str, device: torch.device) -> Rounding:
+        """How `codec` rounds a tensor of `role` on `device`: stochastically where the run
+        asks for it and the codec quantises, each encoding with a fresh generator of its own
+        (so encodings running at once in threads share no state, and the default torch
+        generator that dropout draws from is left alone)."""
+        if role not in self.stochastic_rounding or not get_codec(codec).rounds:
+            return NEAREST
+        generator = torch.Generator(device=device)
+        generator.seed()
+        return Rounding(stochastic=True, generator=generator)
 
 
 async def encode(
@@ -74,16 +92,19 @@ async def encode(
     codec: int,
     options: EncodeOptions,
     *,
+    role: str,
     state: EncoderState | None = None,
 ) -> EncodedTensor:
-    """`tensor` under `codec`, in chunks; `state` is the link and role's EncoderState, which
-    only the topk and lowrank codecs use (see swarmpipe.compression)."""
+    """`tensor`, a tensor of `role` ("activation", "gradient" or "reduce"), under `codec`, in
+    chunks; `state` is the link and role's EncoderState, which only the topk and lowrank
+    codecs use (see swarmpipe.compression)."""
 
     def work() -> EncodedTensor:
         header, payload = encode_tensor(
             tensor,
             codec,
             block_size=options.block_size,
+            rounding=options.rounding(codec, role, tensor.device),
             channel_blocks=options.channel_blocks,
             topk_fraction=options.topk_fraction,
             rank=options.lowrank_rank,

@@ -36,6 +36,10 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         (["pipeline.topk_fraction=0"], "pipeline.topk_fraction=0.0 must be in (0, 1]"),
         (["pipeline.topk_fraction=1.5"], "must be in (0, 1]"),
         (["pipeline.lowrank_rank=0"], "pipeline.lowrank_rank=0 must be >= 1"),
+        (
+            ['pipeline.stochastic_rounding=["gradient", "weights"]'],
+            "may name only activation, gradient, reduce ('weights' unknown)",
+        ),
         (["train.microbatch=64", "train.global_batch=8"], "exceeds"),
         (["pipeline.stages=99"], "exceeds the model"),
         (["steps"], "must look like section.key=value"),
@@ -82,6 +86,8 @@ def test_auto_codecs_and_a_link_limit_load() -> None:
     ladder = load_config(None, ['pipeline.auto_gradient_codecs=["lossless", "int4", "topk"]'])
     assert ladder.pipeline.auto_gradient_codecs == ("lossless", "int4", "topk")
     assert ladder.pipeline.auto_activation_codecs == ("lossless", "fp16", "bf16", "int8", "int4")
+    rounding = load_config(None, ['pipeline.stochastic_rounding=["gradient", "reduce"]'])
+    assert rounding.pipeline.stochastic_rounding == ("gradient", "reduce")
 
 
 def test_the_deploy_example_config_loads() -> None:

@@ -46,7 +46,9 @@ class Peer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.ABORTED, "downstream: stage 2 vanished")
         if self.behaviour == "hang":
             await asyncio.sleep(3600)
-        encoded = await encode(torch.ones_like(activation), LOSSLESS, EncodeOptions())
+        encoded = await encode(
+            torch.ones_like(activation), LOSSLESS, EncodeOptions(), role="gradient"
+        )
         yield stage_pb2.BackwardMessage(tensor=encoded.header)
         for chunk in encoded.chunks:
             yield stage_pb2.BackwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk))

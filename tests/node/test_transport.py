@@ -1,0 +1,59 @@
+"""The node's encode step: codec parameters from the run's config, rounding per tensor role."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from swarmpipe.compression import decode_tensor
+from swarmpipe.config import load_config
+from swarmpipe.node.transport import EncodeOptions, encode
+from swarmpipe.protos import tensor_pb2
+
+INT8 = tensor_pb2.CODEC_BLOCKWISE_INT8
+
+
+def _mean_of_encodings(options: EncodeOptions, role: str, codec: int, times: int) -> torch.Tensor:
+    # One block whose absmax (1.0) makes the code step 1/127; every other element is 0.3
+    # of a step, so rounding to nearest sends 0 and is off by 0.3 step every time.
+    tensor = torch.full((256,), 0.3 / 127)
+    tensor[0] = 1.0
+
+    async def run() -> torch.Tensor:
+        total = torch.zeros_like(tensor)
+        for _ in range(times):
+            encoded = await encode(tensor, codec, options, role=role)
+            total += decode_tensor(encoded.header, b"".join(encoded.chunks))
+        return total / times
+
+    return asyncio.run(run())[1:] - tensor[1:]
+
+
+def test_roles_named_in_the_config_round_stochastically_and_without_bias() -> None:
+    config = load_config(None, ['pipeline.stochastic_rounding=["gradient"]'])
+    options = EncodeOptions.from_pipeline(config.pipeline)
+    step = 1 / 127
+    biased = _mean_of_encodings(options, "activation", INT8, 50)
+    assert biased.abs().min() == pytest.approx(0.3 * step, rel=1e-3)
+    unbiased = _mean_of_encodings(options, "gradient", INT8, 400)
+    # 400 encodings of a coin flip at p = 0.3: the mean's error shrinks to ~0.02 step.
+    assert unbiased.abs().mean() < 0.05 * step < biased.abs().mean()
+
+
+def test_codecs_that_do_not_quantise_ignore_the_setting() -> None:
+    options = EncodeOptions(stochastic_rounding=("activation", "gradient", "reduce"))
+    for codec in (tensor_pb2.CODEC_LOSSLESS, tensor_pb2.CODEC_FP16):
+        assert not options.rounding(codec, "gradient", torch.device("cpu")).stochastic
+    assert options.rounding(INT8, "reduce", torch.device("cpu")).stochastic
+    assert not EncodeOptions().rounding(INT8, "gradient", torch.device("cpu")).stochastic
+
+
+def test_stochastic_rounding_leaves_the_default_generator_alone() -> None:
+    options = EncodeOptions(stochastic_rounding=("gradient",))
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    _mean_of_encodings(options, "gradient", INT8, 3)
+    assert torch.equal(torch.rand(3), expected)
