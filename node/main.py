@@ -11,8 +11,8 @@ import argparse
 import asyncio
 import signal
 
-from swarmpipe.errors import ConfigError
 from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
+from swarmpipe.node.link_limit import MBIT, check_limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    if args.link_mbit is not None and not args.link_mbit >= 0:
-        raise ConfigError(f"--link-mbit {args.link_mbit} must be >= 0 (0: unlimited)")
+    if args.link_mbit is not None:
+        check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
     set_torch_threads(args.threads)
     options = NodeOptions(
         coordinator=args.coordinator,

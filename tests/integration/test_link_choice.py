@@ -111,4 +111,4 @@ def test_a_negative_node_link_limit_is_a_clear_error() -> None:
          "--link-mbit", "-1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert done.returncode == 2 and "--link-mbit -1.0 must be >= 0" in done.stderr
+    assert done.returncode == 2 and "--link-mbit -1.0 is out of range" in done.stderr
