@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,7 +14,8 @@ from typing import Any
 import grpc
 import pytest
 
-from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
+from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.ready import poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -112,3 +114,55 @@ def test_a_negative_node_link_limit_is_a_clear_error() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2 and "--link-mbit -1.0 is out of range" in done.stderr
+
+
+def test_link_limit_command_reaches_running_and_late_nodes(procs, tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    coordinator = procs.coordinator(*tiny, *AUTO, "pipeline.stages=2", "train.steps=2000")
+    broker = json.loads((tmp_path / "coordinator.ready.json").read_text())["broker_url"]
+
+    def link_limit(*args: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "swarmpipe", "link-limit", "--broker", broker,
+             "--run", "testnet", *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+    async def publish_garbage() -> None:
+        async with make_client(parse_broker_url(broker), "garbage") as client:
+            await client.publish(Topics("testnet").control("n0"), b"\xff\xff", qos=1)
+            bad = control_pb2.LinkControl(limit_bytes_per_second=-5.0)
+            await client.publish(Topics("testnet").control("all"), bad.SerializeToString(), qos=1)
+
+    link_limit("--node", "all", "--mbit", "50")  # before any node: retained for them
+    procs.nodes(2, coordinator)
+    channel = grpc.insecure_channel(coordinator)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def limits_are(expected: dict[str, float]) -> Any:
+        def check() -> dict[str, float] | None:
+            status = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
+            assert not status.done, "the run ended before the test did"
+            limits = {c.src_node: c.limit_bytes_per_second for c in status.link_choices}
+            return limits if limits == expected else None
+
+        return poll_until(check, 120, f"send limits {expected}")
+
+    try:
+        limits_are({"n0": 6_250_000.0, "n1": 6_250_000.0})
+        asyncio.run(publish_garbage())
+        link_limit("--node", "n0", "--mbit", "2")  # a node's own setting wins over all's
+        limits_are({"n0": 250_000.0, "n1": 6_250_000.0})
+        link_limit("--node", "n0", "--clear")
+        limits_are({"n0": 6_250_000.0, "n1": 6_250_000.0})
+        link_limit("--node", "all", "--clear")
+        limits_are({"n0": 0.0, "n1": 0.0})
+    finally:
+        channel.close()
+    for name in ("n0", "n1"):
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "ignoring the link control message on control/all: a send limit of" in log, name
+    assert (
+        "ignoring the link control message on control/n0: not a LinkControl"
+        in (tmp_path / "n0.log").read_text()
+    )
