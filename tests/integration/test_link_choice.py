@@ -166,3 +166,46 @@ def test_link_limit_command_reaches_running_and_late_nodes(procs, tiny, tmp_path
         "ignoring the link control message on control/n0: not a LinkControl"
         in (tmp_path / "n0.log").read_text()
     )
+
+
+def test_auto_follows_a_link_slowed_and_freed_during_the_run(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    # 24 layers over 2 stages, microbatches of 8, compute ~40 ms per microbatch on a loaded
+    # 2-core machine; a lossless activation or gradient (32 KiB) crosses loopback in a few ms
+    # but takes 0.5 s at 0.5 Mbit/s, where even int4's 4.5 KiB takes longer than the compute:
+    # so lossless before the slowdown, compressing during it, lossless once it is lifted.
+    # Coming back takes longest (~7 steps): the meter pools 64 KiB of small compressed
+    # tensors per sample, then the chooser waits for 8 tensors that fit with room to spare.
+    churn = "link all=0.5@step6, link all=off@step14"
+    settings = ["model.n_layers=24", "pipeline.stages=2", "train.microbatch=8"]
+    report = run_testnet(
+        tmp_path,
+        [*tiny, *AUTO, *settings, "train.global_batch=32"],
+        "--steps", "36", "--nodes", "2", "--churn", churn,
+    )  # fmt: skip
+    assert len(report["steps"]) == 36 and report["counters"]["lost"] == 0
+    slowed, freed = report["churn"]
+    assert (slowed["action"], slowed["node"], slowed["mbit"]) == ("link", "all", 0.5)
+    assert (freed["action"], freed["node"], freed["mbit"]) == ("link", "all", None)
+    assert slowed["outcome"] == "limited to 0.5 Mbit/s" and freed["outcome"] == "withdrawn"
+    assert 6 <= slowed["step"] < freed["step"] and report["churn_not_reached"] == []
+    choices = {(c["src"], c["dst"], c["direction"]): c for c in report["link_choices"]}
+    node = {m["stage"]: m["node_id"] for m in report["members"]}
+    assert set(choices) == {(node[0], node[1], "activation"), (node[1], node[0], "gradient")}
+    for key, choice in choices.items():
+        assert choice["limit_mbit"] == 0.0, key  # withdrawn by the end
+        timeline = choice["timeline"]
+        codecs = [(t["step"], t["codec"]) for t in timeline]
+        assert codecs[0] == (0, "lossless"), (key, codecs)
+        # The first compressing codec comes after the slowdown, on a slow measurement (its
+        # first sample may straddle the change, so not yet down to 0.5 Mbit/s)...
+        first = next(i for i, t in enumerate(timeline) if t["codec"] != "lossless")
+        assert timeline[first]["step"] >= slowed["step"], (key, codecs)
+        assert timeline[first]["measured_mbit"] < 10, (key, timeline[first])
+        # ...and lossless comes back after the limit was withdrawn, and stays.
+        back = next(i for i in range(first, len(timeline)) if timeline[i]["codec"] == "lossless")
+        assert timeline[back]["step"] >= freed["step"], (key, codecs)
+        assert timeline[back]["measured_mbit"] > 5, (key, timeline[back])
+        assert all(t["codec"] != "lossless" for t in timeline[first:back]), (key, codecs)
+        assert back == len(timeline) - 1 and choice["codec"] == "lossless", (key, codecs)
