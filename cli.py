@@ -1,4 +1,4 @@
-"""The `swarmpipe` command: coordinator, node, testnet and bench subcommands.
+"""The `swarmpipe` command: coordinator, node, testnet, bench and link-limit subcommands.
 
 Errors the user can act on (SwarmpipeError) print one line, never a traceback.
 """
@@ -19,6 +19,7 @@ EXIT_COORDINATOR_UNREACHABLE = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from swarmpipe import link_control
     from swarmpipe.bench import main as bench_main
     from swarmpipe.coordinator import main as coordinator_main
     from swarmpipe.node import main as node_main
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("node", node_main, "run a node daemon that serves one pipeline stage"),
         ("testnet", testnet_main, "run a local swarm of processes and write a report"),
         ("bench", bench_main, "print benchmark figures as JSON"),
+        ("link-limit", link_control, "change nodes' send limits while a run goes on"),
     ):
         p = sub.add_parser(name, help=help_text, description=module.__doc__)
         module.add_arguments(p)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmpipe.errors import ConfigError
+from swarmpipe.node.link_limit import MBIT, check_limit
 
 # Config names of the codecs and the schema enum each maps to (see protos/tensor.proto).
 _CODEC_ENUMS = {
@@ -197,8 +198,9 @@ class PipelineConfig:
     """The same for gradients; e.g. append "topk" for links too slow even for int4."""
     link_mbit: float = 0.0
     """Limit on what each node sends to each peer, in Mbit/s (each direction of a link is
-    limited on its own, like a full-duplex line); 0 means unlimited. For testnets and
-    experiments on fast networks; `swarmpipe node --link-mbit` overrides it per node."""
+    limited on its own, like a full-duplex line); 0 means unlimited, else 0.001 (1 kbit/s) to
+    1e7 (10 Tbit/s). For testnets and experiments on fast networks; `swarmpipe node
+    --link-mbit` overrides it per node, and `swarmpipe link-limit` changes it during a run."""
     int8_block_size: int = 256
     """Elements per absmax block of the int8 and int4 codecs."""
     int8_channel_blocks: bool = True
@@ -258,10 +260,7 @@ class PipelineConfig:
                     f"{', '.join(CODEC_NAMES)}, least lossy first"
                     + (f" ({', '.join(map(repr, unknown))} unknown)" if unknown else "")
                 )
-        if not self.link_mbit >= 0:  # also refuses NaN
-            raise ConfigError(
-                f"pipeline.link_mbit={self.link_mbit} must be >= 0 Mbit/s (0: unlimited)"
-            )
+        check_limit(self.link_mbit * MBIT, what=f"pipeline.link_mbit={self.link_mbit}")
         if self.int8_block_size < 1:
             raise ConfigError("pipeline.int8_block_size must be >= 1")
         unknown = [r for r in self.stochastic_rounding if r not in ROUNDING_ROLES]

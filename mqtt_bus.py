@@ -70,6 +70,10 @@ class Topics:
     def telemetry(self, node_id: str = "+") -> str:
         return f"{self.root}/telemetry/{node_id}"
 
+    def control(self, node_id: str = "+") -> str:
+        """Where `LinkControl` for `node_id` goes; `control("all")` reaches every node."""
+        return f"{self.root}/control/{node_id}"
+
     def kind_of(self, topic: str) -> tuple[str, str] | None:
         """Classify a received topic as (kind, node_id); None if it is not this run's."""
         prefix = self.root + "/"
@@ -80,7 +84,7 @@ class Topics:
             return ("plan", "")
         if rest == ["step"]:
             return ("step", "")
-        if len(rest) == 2 and rest[0] in ("presence", "telemetry") and rest[1]:
+        if len(rest) == 2 and rest[0] in ("presence", "telemetry", "control") and rest[1]:
             return (rest[0], rest[1])
         return None
 

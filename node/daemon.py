@@ -29,7 +29,8 @@ import torch
 
 from swarmpipe import __version__
 from swarmpipe.config import RunConfig, codec_enum
-from swarmpipe.errors import CoordinatorUnavailable
+from swarmpipe.errors import CoordinatorUnavailable, PeerError
+from swarmpipe.link_control import LinkSettings, describe
 from swarmpipe.logs import set_log_identity
 from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
 from swarmpipe.node.checkpointing import Checkpointer
@@ -103,6 +104,8 @@ class NodeDaemon:
         self.compute = ComputeWorker()
         self.stats = LinkStats()
         self.links = Links()
+        self.link_settings = LinkSettings(self.node_id)
+        """The send limit from the start options and the run's LinkControl messages."""
         self.router = Router(self.node_id, self.stats, self.links)
         self.activation_codec = 0
         self.gradient_codec = 0
@@ -210,8 +213,9 @@ class NodeDaemon:
             link_mbit = self.options.link_mbit
             if link_mbit is None:
                 link_mbit = self.config.pipeline.link_mbit
+            self.link_settings.start_limit = link_mbit * MBIT
             self.links.configure(
-                limit_bytes_per_second=link_mbit * MBIT,
+                limit_bytes_per_second=self.link_settings.limit,
                 options=EncodeOptions.from_pipeline(self.config.pipeline),
             )
             config, stage = self.config, self.stage
@@ -265,6 +269,7 @@ class NodeDaemon:
                 self._mqtt = client
                 await client.subscribe(self._topics.plan, qos=1)
                 await client.subscribe(self._topics.step, qos=1)
+                await client.subscribe(self._topics.control(), qos=1)
                 await client.publish(
                     self._topics.presence(self.node_id),
                     self._presence(online=True).SerializeToString(),
@@ -371,6 +376,9 @@ class NodeDaemon:
             payload = message.payload
             if kind is None or not isinstance(payload, bytes | bytearray):
                 continue
+            if kind[0] == "control":
+                self._on_link_control(kind[1], bytes(payload))
+                continue
             try:
                 if kind[0] == "plan":
                     self._on_plan(control_pb2.Plan.FromString(bytes(payload)))
@@ -378,6 +386,24 @@ class NodeDaemon:
                     self._on_step(control_pb2.StepState.FromString(bytes(payload)))
             except Exception as exc:  # a malformed control message must not kill the node
                 logger.warning("ignoring malformed %s message: %s", kind[0], exc)
+
+    def _on_link_control(self, target: str, payload: bytes) -> None:
+        before = self.link_settings.limit
+        try:
+            if not self.link_settings.on_message(target, payload):
+                return  # another node's (amqtt sends retained ones to everyone)
+        except PeerError as exc:
+            logger.warning("ignoring the link control message on control/%s: %s", target, exc)
+            return
+        limit = self.link_settings.limit
+        if limit != before:
+            self.links.set_limit(None, limit)
+        logger.info(
+            "send limit %s on every link (control/%s; was %s)",
+            describe(limit) if limit != before else f"stays {describe(limit)}",
+            target,
+            describe(before),
+        )
 
     def _on_plan(self, plan: control_pb2.Plan) -> None:
         self.router.set_plan(plan)

@@ -12,16 +12,48 @@ own bytes would have drained too. So a chunk on an idle link takes its transmiss
 on a real line, rather than leaving at once on tokens saved up while the link was idle: a
 saved-up burst would make the bandwidth meter see speed that the link does not have. The
 burst allowance is therefore zero beyond the chunk being sent (chunks are at most 1 MiB).
+
+The rate can change while a run goes on (`set_rate`, from the control plane's `LinkControl`):
+bytes already granted keep their place in the queue and drain at the new rate from then on.
+Known limit: a sender already asleep on a grant wakes when the old rate said, so a change
+reaches a link within one chunk's time at the old rate (4 s for 1 MiB at 2 Mbit/s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 
+from swarmpipe.errors import ConfigError
+
 MBIT = 1e6 / 8
 """Bytes per second in one Mbit/s."""
+
+MIN_LIMIT = 1e3 / 8
+"""The slowest send limit accepted, 1 kbit/s, in bytes per second: a 1 MiB chunk already
+takes over two hours at that rate, so anything slower is a typo, not an experiment."""
+
+MAX_LIMIT = 10e12 / 8
+"""The fastest send limit accepted, 10 Tbit/s, in bytes per second: beyond any real link, so
+a larger figure is a unit mistake (bits for bytes, kbit for Mbit)."""
+
+
+def check_limit(bytes_per_second: float, *, what: str = "") -> float:
+    """`bytes_per_second` if it is a usable send limit (0: none), else a ConfigError.
+
+    `what` names the setting in the message (e.g. "pipeline.link_mbit=1e+09").
+    """
+    if bytes_per_second == 0 or (
+        math.isfinite(bytes_per_second) and MIN_LIMIT <= bytes_per_second <= MAX_LIMIT
+    ):
+        return bytes_per_second
+    what = what or f"a send limit of {bytes_per_second / MBIT:g} Mbit/s"
+    raise ConfigError(
+        f"{what} is out of range: give 0 (no limit) or {MIN_LIMIT / MBIT:g} to "
+        f"{MAX_LIMIT / MBIT:g} Mbit/s (1 kbit/s to 10 Tbit/s)"
+    )
 
 
 class TokenBucket:
@@ -29,6 +61,7 @@ class TokenBucket:
 
     Callers on one event loop share a bucket: grants are handed out in the order they were
     asked for, so concurrent transfers to one peer share the rate instead of each getting it.
+    A rate of 0 lets every chunk go at once (no limit).
     """
 
     def __init__(
@@ -38,17 +71,38 @@ class TokenBucket:
         burst_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not bytes_per_second > 0:
-            raise ValueError(f"a token bucket needs a positive rate, not {bytes_per_second}")
         if burst_bytes < 0:
             raise ValueError(f"burst_bytes must be >= 0, not {burst_bytes}")
-        self.bytes_per_second = bytes_per_second
-        self._burst_s = burst_bytes / bytes_per_second
+        self._burst_bytes = burst_bytes
         self._clock = clock
         self._free_at = clock()
+        self.bytes_per_second = 0.0
+        self.set_rate(bytes_per_second)
+
+    def set_rate(self, bytes_per_second: float) -> None:
+        """Pace from now on at `bytes_per_second` (0: no limit).
+
+        The bytes granted but not yet drained stay owed and drain at the new rate, so a
+        faster rate shortens the queue at once and a slower one does not forgive it; leaving
+        or entering "no limit" starts from an empty queue (nothing is owed to an unlimited
+        line, and an unlimited line saved up no credit).
+        """
+        if not (math.isfinite(bytes_per_second) and bytes_per_second >= 0):
+            raise ValueError(f"a token bucket needs a rate >= 0, not {bytes_per_second}")
+        now = self._clock()
+        old = self.bytes_per_second
+        if old > 0 and bytes_per_second > 0:
+            owed = max(0.0, self._free_at - now) * old
+            self._free_at = now + owed / bytes_per_second
+        else:
+            self._free_at = now
+        self.bytes_per_second = bytes_per_second
+        self._burst_s = self._burst_bytes / bytes_per_second if bytes_per_second > 0 else 0.0
 
     def reserve(self, nbytes: int) -> float:
         """Grant `nbytes`; the seconds the caller must wait before it sends them."""
+        if self.bytes_per_second == 0:
+            return 0.0
         now = self._clock()
         self._free_at = max(self._free_at, now) + nbytes / self.bytes_per_second
         return max(0.0, self._free_at - self._burst_s - now)

@@ -2,11 +2,17 @@
 
 Every tensor the node sends on the data plane (activations downstream, gradients upstream,
 gradient sums to the other replicas) crosses its link inside a `Transfer`, which paces each
-message through the peer's token bucket when a limit is set and times the transfer for the
-peer's bandwidth meter. Before encoding a tensor the sender asks `codec_for`: a fixed codec
-is used as it is; in auto mode the link direction's `CodecChooser` picks from the link's
-measured bandwidth and this stage's measured compute time per microbatch. Each change of
-codec is kept (bounded) with when it happened, for telemetry and the testnet's report.
+message through the peer's token bucket (at no cost when the link has no limit) and times
+the transfer for the peer's bandwidth meter. Before encoding a tensor the sender asks
+`codec_for`: a fixed codec is used as it is; in auto mode the link direction's
+`CodecChooser` picks from the link's measured bandwidth and this stage's measured compute
+time per microbatch. Each change of codec is kept (bounded) with when it happened, for
+telemetry and the testnet's report.
+
+The limits may change while the run goes on (`set_limit`, driven by the control plane's
+`LinkControl` messages). Nothing tells the meter or the chooser: the meter sees the new speed
+in the transfers themselves, and the codec choice follows the meter, as it would on a real
+link that slowed down.
 
 Everything here runs on the node's event loop, so nothing needs a lock.
 """
@@ -26,7 +32,7 @@ import torch
 from swarmpipe.compression import EncoderState
 from swarmpipe.compression.link_choice import CodecChooser, candidates, wire_bytes
 from swarmpipe.config import codec_name
-from swarmpipe.node.link_limit import TokenBucket
+from swarmpipe.node.link_limit import TokenBucket, check_limit
 from swarmpipe.node.link_meter import BandwidthMeter, RecentMedian
 from swarmpipe.node.transport import EncodeOptions
 from swarmpipe.protos import control_pb2
@@ -56,7 +62,8 @@ class _Direction:
 class _Link:
     """The link to one peer: the limit and the meter are shared by every direction on it."""
 
-    bucket: TokenBucket | None
+    bucket: TokenBucket
+    """The send limit (rate 0: none)."""
     meter: BandwidthMeter
     directions: dict[str, _Direction] = field(default_factory=dict)
 
@@ -98,8 +105,7 @@ class Transfer:
         counts its bytes now.
         """
         self._flush()
-        if self._link.bucket is not None:
-            await self._link.bucket.acquire(nbytes)
+        await self._link.bucket.acquire(nbytes)
         self._handed = nbytes
 
     async def write(self, write: Callable[[Any], Awaitable[None]], message: Any) -> None:
@@ -121,6 +127,7 @@ class Links:
         self._wall_clock = wall_clock
         self._links: dict[str, _Link] = {}
         self.limit_bytes_per_second = 0.0
+        """The send limit links to new peers start with (0: none)."""
         self.options = EncodeOptions()
         """The run's codec parameters, for encoding and for sizing the auto choice."""
         self.compute = RecentMedian()
@@ -130,8 +137,27 @@ class Links:
 
     def configure(self, *, limit_bytes_per_second: float, options: EncodeOptions) -> None:
         """Set the send limit (0: none) and the run's codec parameters, before any send."""
-        self.limit_bytes_per_second = limit_bytes_per_second
+        self.set_limit(None, limit_bytes_per_second)
         self.options = options
+
+    def set_limit(self, peer: str | None, bytes_per_second: float) -> None:
+        """Limit what this node sends to `peer` (None: to every peer, and to peers met
+        later) to `bytes_per_second` from now on; 0 lifts the limit.
+
+        A ConfigError (and no change) for a limit `check_limit` refuses.
+        """
+        check_limit(bytes_per_second)
+        if peer is None:
+            self.limit_bytes_per_second = bytes_per_second
+            for link in self._links.values():
+                link.bucket.set_rate(bytes_per_second)
+        else:
+            self._link(peer).bucket.set_rate(bytes_per_second)
+
+    def limit(self, peer: str) -> float:
+        """The send limit to `peer` now (0: none)."""
+        link = self._links.get(peer)
+        return link.bucket.bytes_per_second if link else self.limit_bytes_per_second
 
     def encoder_state(self, peer: str, direction: str) -> EncoderState:
         """The stateful codecs' memory for what this node sends `peer` in `direction`.
@@ -148,8 +174,7 @@ class Links:
     def _link(self, peer: str) -> _Link:
         link = self._links.get(peer)
         if link is None:
-            rate = self.limit_bytes_per_second
-            bucket = TokenBucket(rate, clock=self._clock) if rate > 0 else None
+            bucket = TokenBucket(self.limit_bytes_per_second, clock=self._clock)
             link = _Link(bucket=bucket, meter=BandwidthMeter(clock=self._clock))
             self._links[peer] = link
         return link
@@ -230,7 +255,7 @@ class Links:
                         peer=peer,
                         direction=direction,
                         bytes_per_second=link.meter.bytes_per_second or 0.0,
-                        limit_bytes_per_second=self.limit_bytes_per_second,
+                        limit_bytes_per_second=link.bucket.bytes_per_second,
                         wire_bytes=state.wire_bytes,
                         codec=state.codec,  # type: ignore[arg-type]
                         changes=list(state.changes),

@@ -12,7 +12,9 @@ import asyncio
 import signal
 
 from swarmpipe.errors import ConfigError
+from swarmpipe.link_control import ALL
 from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
+from swarmpipe.node.link_limit import MBIT, check_limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    if args.link_mbit is not None and not args.link_mbit >= 0:
-        raise ConfigError(f"--link-mbit {args.link_mbit} must be >= 0 (0: unlimited)")
+    if args.link_mbit is not None:
+        check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
+    if args.node_id == ALL:
+        raise ConfigError(f"--node-id {ALL!r} is reserved: it addresses every node of a run")
     set_torch_threads(args.threads)
     options = NodeOptions(
         coordinator=args.coordinator,

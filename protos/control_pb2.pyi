@@ -202,6 +202,36 @@ class StepState(_message.Message):
 Global___StepState: _TypeAlias = StepState  # noqa: Y015
 
 @_typing.final
+class LinkControl(_message.Message):
+    """swarmpipe/<run>/control/<node_id> or control/all, retained: the send limit an organiser
+    puts on a node's links while the run goes on (`swarmpipe link-limit`, the testnet's
+    `link` churn). A node applies its own topic's setting over all's, and all's over the limit
+    it started with (pipeline.link_mbit or --link-mbit), whatever order they arrive in. The
+    empty message (no field set) withdraws a topic's setting; sent retained, it also clears
+    the retained one.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    limit_bytes_per_second: _builtins.float
+    """0: no limit; 1 kbit/s to 10 Tbit/s else"""
+    def __init__(
+        self,
+        *,
+        limit_bytes_per_second: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__limit_bytes_per_second: _TypeAlias = _typing.Literal["limit_bytes_per_second"]  # noqa: Y015
+    _WhichOneofArgType__limit_bytes_per_second: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__limit_bytes_per_second) -> _WhichOneofReturnType__limit_bytes_per_second | None: ...
+
+Global___LinkControl: _TypeAlias = LinkControl  # noqa: Y015
+
+@_typing.final
 class LinkCounter(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -10,6 +10,13 @@ with that name, the same id as a killed one (it rejoins) or a fresh one. T is
 `Ns` (seconds since training began, i.e. since step 0 opened) or `stepN`
 (once N steps have finished).
 
+`link NODE=MBIT@T` limits what NODE sends to each peer to MBIT Mbit/s from T
+on (`link all=0.5@20s` every node; `=0` no limit), and `link NODE=off@T`
+withdraws that setting, so the node goes back to the limit it started with
+(`--link-mbit`, usually none). It is the same retained MQTT message
+`swarmpipe link-limit` publishes (see link_control.py), so it reaches the
+nodes as a real organiser's would; the testnet clears it when the run ends.
+
 `--churn-random RATE --churn-seed S` adds kills at random: a Poisson process
 of RATE kills per minute, each of a node picked at random (seeded) among
 those whose stage has another replica online, each restarted with the same
@@ -28,18 +35,22 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarmpipe.errors import ConfigError
+from swarmpipe.node.link_limit import MBIT, check_limit
 
-_EVENT = re.compile(r"^(kill|start)\s+([A-Za-z0-9_.-]{1,64})\s*@\s*(?:(\d+(?:\.\d+)?)s|step(\d+))$")
+_WHEN = r"\s*@\s*(?:(\d+(?:\.\d+)?)s|step(\d+))$"
+_EVENT = re.compile(r"^(kill|start)\s+([A-Za-z0-9_.-]{1,64})" + _WHEN)
+_LINK = re.compile(r"^link\s+([A-Za-z0-9_.-]{1,64})\s*=\s*(off|\d+(?:\.\d+)?(?:e-?\d+)?)" + _WHEN)
 
 
 @dataclass(frozen=True, slots=True)
 class ChurnEvent:
     """One planned action: at `seconds` into training or after `after_steps` steps."""
 
-    action: str  # "kill" or "start"
-    node: str
+    action: str  # "kill", "start" or "link"
+    node: str  # for "link", also "all"
     seconds: float | None = None
     after_steps: int | None = None
+    mbit: float | None = None  # "link": the limit in Mbit/s (0: none); None: withdraw it
 
     def due(self, elapsed: float, steps_done: int) -> bool:
         if self.seconds is not None:
@@ -50,6 +61,14 @@ class ChurnEvent:
     @property
     def when(self) -> str:
         return f"{self.seconds:g}s" if self.seconds is not None else f"step{self.after_steps}"
+
+    @property
+    def label(self) -> str:
+        """The event as the schedule writes it."""
+        if self.action == "link":
+            setting = "off" if self.mbit is None else f"{self.mbit:g}"
+            return f"link {self.node}={setting}@{self.when}"
+        return f"{self.action} {self.node}@{self.when}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,28 +81,39 @@ class ChurnRecord:
     at_seconds: float  # since training began
     step: int  # steps finished when it happened
     stage: int  # the node's stage (-1 when not known yet)
-    outcome: str  # "killed", "started", "not running", "skipped: ..."
+    outcome: str  # "killed", "started", "not running", "limited", "skipped: ..."
+    mbit: float | None = None  # "link": the limit set in Mbit/s (0: none); None: withdrawn
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def parse_schedule(text: str) -> list[ChurnEvent]:
-    """Parse `kill n1@8s, start n1@step5` into events; a ConfigError names a bad item."""
+    """Parse `kill n1@8s, start n1@step5, link n1=2@step8` into events; a ConfigError names
+    a bad item."""
     events = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        match = _EVENT.match(item)
-        if match is None:
+        mbit: float | None = None
+        if match := _EVENT.match(item):
+            action, node, seconds, steps = match.groups()
+        elif match := _LINK.match(item):
+            node, setting, seconds, steps = match.groups()
+            action = "link"
+            if setting != "off":
+                mbit = float(setting)
+                check_limit(mbit * MBIT, what=f"--churn item {item!r}: {mbit:g} Mbit/s")
+        else:
             raise ConfigError(
-                f"--churn item {item!r} must look like 'kill NODE@8s' or 'start NODE@step5'"
+                f"--churn item {item!r} must look like 'kill NODE@8s', 'start NODE@step5', "
+                "'link NODE=2@step8' (Mbit/s; NODE may be all) or 'link NODE=off@20s'"
             )
-        action, node, seconds, steps = match.groups()
         events.append(
             ChurnEvent(
                 action=action,
                 node=node,
                 seconds=float(seconds) if seconds is not None else None,
                 after_steps=int(steps) if steps is not None else None,
+                mbit=mbit,
             )
         )
     return events

@@ -26,12 +26,15 @@ from typing import Any
 
 import grpc
 
+from swarmpipe import link_control
 from swarmpipe.config import RunConfig, add_config_arguments, load_config
 from swarmpipe.errors import ConfigError, SwarmpipeError
+from swarmpipe.mqtt_bus import parse_broker_url
+from swarmpipe.node.link_limit import MBIT
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.ready import wait_ready_file
 from swarmpipe.rpc import open_channel
-from swarmpipe.testnet.churn import ChurnPlan, ChurnRecord, parse_schedule
+from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
 from swarmpipe.testnet.processes import Child, ProcessGroup
 
 logger = logging.getLogger(__name__)
@@ -64,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--churn",
         default="",
         metavar="SCHEDULE",
-        help="SIGKILL and start nodes on a schedule, e.g. 'kill n1@8s, start n1@step12' "
-        "(seconds since training began, or steps finished)",
+        help="SIGKILL and start nodes, and change their send limits, on a schedule, e.g. "
+        "'kill n1@8s, start n1@step12, link n0=2@step8, link n0=off@step20' (seconds since "
+        "training began, or steps finished; link NODE=MBIT or =off, NODE may be all)",
     )
     parser.add_argument(
         "--churn-random",
@@ -148,6 +152,9 @@ class Testnet:
         self.churn = churn or ChurnPlan([])
         self.churn_records: list[ChurnRecord] = []
         self.target = ""
+        self.broker_url = ""
+        self.link_controls: set[str] = set()
+        """Nodes (or "all") given a retained LinkControl, cleared when the run ends."""
         self.training_since: float | None = None
         self.step_seen_at: list[float] = []
 
@@ -182,6 +189,7 @@ class Testnet:
         coordinator = self.group.start("coordinator", coord_args)
         ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
         self.target = f"127.0.0.1:{ready['grpc_port']}"
+        self.broker_url = self.args.broker or ready["broker_url"]
         for i in range(self.args.nodes):
             self.group.start(f"n{i}", self._node_args(f"n{i}"))
         return self.target
@@ -201,6 +209,7 @@ class Testnet:
             status = await stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
         finally:
             await channel.close()
+            await self._clear_link_controls()
         wall = time.monotonic() - t0
         report = build_report(
             self.config,
@@ -215,10 +224,10 @@ class Testnet:
         for record, seen in zip(report["steps"], self.step_seen_at, strict=False):
             record["seen_at_seconds"] = seen
         report["churn"] = [r.as_dict() for r in self.churn_records]
-        report["churn_not_reached"] = [f"{e.action} {e.node}@{e.when}" for e in self.churn.pending]
+        report["churn_not_reached"] = [e.label for e in self.churn.pending]
         return report
 
-    def _churn(self, status: coordinator_pb2.StatusReply, now: float) -> None:
+    async def _churn(self, status: coordinator_pb2.StatusReply, now: float) -> None:
         """Perform the churn events due now and record them."""
         if self.training_since is None:
             if status.phase == "waiting" and not status.steps:
@@ -228,7 +237,10 @@ class Testnet:
         steps = len(status.steps)
         stages = {n.node_id: n.stage for n in status.nodes}
         for event in self.churn.due(elapsed, steps):
-            self._perform(event.action, event.node, event.when, steps=steps, stages=stages)
+            if event.action == "link":
+                await self._link(event, steps=steps, stages=stages)
+            else:
+                self._perform(event.action, event.node, event.when, steps=steps, stages=stages)
         online: dict[int, list[str]] = {}
         for n in status.nodes:
             child = self.group.latest(n.node_id)
@@ -267,10 +279,58 @@ class Testnet:
             self.group.start(node, self._node_args(node))
             outcome = "started"
         record = ChurnRecord(action, node, planned, elapsed, steps, stages.get(node, -1), outcome)
+        self._record(record)
+
+    def _record(self, record: ChurnRecord) -> None:
         self.churn_records.append(record)
-        logger.info("churn: %s %s at %.1f s (step %d): %s", action, node, elapsed, steps, outcome)
+        what = f"{record.action} {record.node}"
+        logger.info(
+            "churn: %s at %.1f s (step %d): %s",
+            what,
+            record.at_seconds,
+            record.step,
+            record.outcome,
+        )
         if not self.args.quiet:
-            print(f"churn: {action} {node} at {elapsed:.1f} s, step {steps}: {outcome}", flush=True)
+            print(
+                f"churn: {what} at {record.at_seconds:.1f} s, step {record.step}: {record.outcome}",
+                flush=True,
+            )
+
+    async def _link(self, event: ChurnEvent, *, steps: int, stages: dict[str, int]) -> None:
+        """Publish the event's LinkControl, as `swarmpipe link-limit` would."""
+        assert self.training_since is not None
+        limit = None if event.mbit is None else event.mbit * MBIT
+        self.link_controls.add(event.node)
+        await link_control.publish(
+            parse_broker_url(self.broker_url), self.config.run_id, event.node, limit
+        )
+        elapsed = time.monotonic() - self.training_since
+        outcome = "withdrawn" if limit is None else f"limited to {link_control.describe(limit)}"
+        self._record(
+            ChurnRecord(
+                "link",
+                event.node,
+                event.when,
+                elapsed,
+                steps,
+                stages.get(event.node, -1),
+                outcome,
+                mbit=event.mbit,
+            )
+        )
+
+    async def _clear_link_controls(self) -> None:
+        """Clear the retained LinkControl messages of this run: a later run with the same
+        run_id on an external broker must not start with them."""
+        for node in sorted(self.link_controls):
+            try:
+                await link_control.publish(
+                    parse_broker_url(self.broker_url), self.config.run_id, node, None
+                )
+            except SwarmpipeError as exc:
+                logger.warning("could not clear the link control message of %s: %s", node, exc)
+        self.link_controls.clear()
 
     async def _follow(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> Any:
         last_step_count, last_progress = -1, time.monotonic()
@@ -292,7 +352,7 @@ class Testnet:
                     f"the coordinator stopped answering: {exc.code().name}"
                 ) from exc
             now = time.monotonic()
-            self._churn(status, now)
+            await self._churn(status, now)
             if self.training_since is not None:
                 while len(self.step_seen_at) < len(status.steps):
                     self.step_seen_at.append(now - self.training_since)

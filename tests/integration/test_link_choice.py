@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,7 +14,8 @@ from typing import Any
 import grpc
 import pytest
 
-from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
+from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.ready import poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -111,4 +113,99 @@ def test_a_negative_node_link_limit_is_a_clear_error() -> None:
          "--link-mbit", "-1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert done.returncode == 2 and "--link-mbit -1.0 must be >= 0" in done.stderr
+    assert done.returncode == 2 and "--link-mbit -1.0 is out of range" in done.stderr
+
+
+def test_link_limit_command_reaches_running_and_late_nodes(procs, tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    coordinator = procs.coordinator(*tiny, *AUTO, "pipeline.stages=2", "train.steps=2000")
+    broker = json.loads((tmp_path / "coordinator.ready.json").read_text())["broker_url"]
+
+    def link_limit(*args: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "swarmpipe", "link-limit", "--broker", broker,
+             "--run", "testnet", *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+    async def publish_garbage() -> None:
+        async with make_client(parse_broker_url(broker), "garbage") as client:
+            await client.publish(Topics("testnet").control("n0"), b"\xff\xff", qos=1)
+            bad = control_pb2.LinkControl(limit_bytes_per_second=-5.0)
+            await client.publish(Topics("testnet").control("all"), bad.SerializeToString(), qos=1)
+
+    link_limit("--node", "all", "--mbit", "50")  # before any node: retained for them
+    procs.nodes(2, coordinator)
+    channel = grpc.insecure_channel(coordinator)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def limits_are(expected: dict[str, float]) -> Any:
+        def check() -> dict[str, float] | None:
+            status = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
+            assert not status.done, "the run ended before the test did"
+            limits = {c.src_node: c.limit_bytes_per_second for c in status.link_choices}
+            return limits if limits == expected else None
+
+        return poll_until(check, 120, f"send limits {expected}")
+
+    try:
+        limits_are({"n0": 6_250_000.0, "n1": 6_250_000.0})
+        asyncio.run(publish_garbage())
+        link_limit("--node", "n0", "--mbit", "2")  # a node's own setting wins over all's
+        limits_are({"n0": 250_000.0, "n1": 6_250_000.0})
+        link_limit("--node", "n0", "--clear")
+        limits_are({"n0": 6_250_000.0, "n1": 6_250_000.0})
+        link_limit("--node", "all", "--clear")
+        limits_are({"n0": 0.0, "n1": 0.0})
+    finally:
+        channel.close()
+    for name in ("n0", "n1"):
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "ignoring the link control message on control/all: a send limit of" in log, name
+    assert (
+        "ignoring the link control message on control/n0: not a LinkControl"
+        in (tmp_path / "n0.log").read_text()
+    )
+
+
+def test_auto_follows_a_link_slowed_and_freed_during_the_run(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    # 24 layers over 2 stages, microbatches of 8, compute ~40 ms per microbatch on a loaded
+    # 2-core machine; a lossless activation or gradient (32 KiB) crosses loopback in a few ms
+    # but takes 0.5 s at 0.5 Mbit/s, where even int4's 4.5 KiB takes longer than the compute:
+    # so lossless before the slowdown, compressing during it, lossless once it is lifted.
+    # Coming back takes longest (~7 steps): the meter pools 64 KiB of small compressed
+    # tensors per sample, then the chooser waits for 8 tensors that fit with room to spare.
+    churn = "link all=0.5@step6, link all=off@step14"
+    settings = ["model.n_layers=24", "pipeline.stages=2", "train.microbatch=8"]
+    report = run_testnet(
+        tmp_path,
+        [*tiny, *AUTO, *settings, "train.global_batch=32"],
+        "--steps", "36", "--nodes", "2", "--churn", churn,
+    )  # fmt: skip
+    assert len(report["steps"]) == 36 and report["counters"]["lost"] == 0
+    slowed, freed = report["churn"]
+    assert (slowed["action"], slowed["node"], slowed["mbit"]) == ("link", "all", 0.5)
+    assert (freed["action"], freed["node"], freed["mbit"]) == ("link", "all", None)
+    assert slowed["outcome"] == "limited to 0.5 Mbit/s" and freed["outcome"] == "withdrawn"
+    assert 6 <= slowed["step"] < freed["step"] and report["churn_not_reached"] == []
+    choices = {(c["src"], c["dst"], c["direction"]): c for c in report["link_choices"]}
+    node = {m["stage"]: m["node_id"] for m in report["members"]}
+    assert set(choices) == {(node[0], node[1], "activation"), (node[1], node[0], "gradient")}
+    for key, choice in choices.items():
+        assert choice["limit_mbit"] == 0.0, key  # withdrawn by the end
+        timeline = choice["timeline"]
+        codecs = [(t["step"], t["codec"]) for t in timeline]
+        assert codecs[0] == (0, "lossless"), (key, codecs)
+        # The first compressing codec comes after the slowdown, on a slow measurement (its
+        # first sample may straddle the change, so not yet down to 0.5 Mbit/s)...
+        first = next(i for i, t in enumerate(timeline) if t["codec"] != "lossless")
+        assert timeline[first]["step"] >= slowed["step"], (key, codecs)
+        assert timeline[first]["measured_mbit"] < 10, (key, timeline[first])
+        # ...and lossless comes back after the limit was withdrawn, and stays.
+        back = next(i for i in range(first, len(timeline)) if timeline[i]["codec"] == "lossless")
+        assert timeline[back]["step"] >= freed["step"], (key, codecs)
+        assert timeline[back]["measured_mbit"] > 5, (key, timeline[back])
+        assert all(t["codec"] != "lossless" for t in timeline[first:back]), (key, codecs)
+        assert back == len(timeline) - 1 and choice["codec"] == "lossless", (key, codecs)

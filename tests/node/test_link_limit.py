@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from swarmpipe.node.link_limit import MBIT, TokenBucket
+from swarmpipe.errors import ConfigError
+from swarmpipe.node.link_limit import MAX_LIMIT, MBIT, MIN_LIMIT, TokenBucket, check_limit
 
 
 class FakeClock:
@@ -70,10 +71,67 @@ def test_a_burst_allowance_lets_that_many_bytes_go_at_once() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="positive rate"):
-        TokenBucket(0.0)
+    for rate in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rate >= 0"):
+            TokenBucket(rate)
+    with pytest.raises(ValueError, match="rate >= 0"):
+        TokenBucket(1.0).set_rate(-5.0)
     with pytest.raises(ValueError, match="burst_bytes"):
         TokenBucket(1.0, burst_bytes=-1)
+
+
+def test_rate_zero_is_no_limit() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(0.0, clock=clock)
+    assert [bucket.reserve(1 << 20) for _ in range(3)] == [0.0, 0.0, 0.0]
+
+
+def test_a_new_rate_paces_the_next_chunks() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(1000.0, clock=clock)
+    assert _send(bucket, clock, [1000] * 3) - 1000.0 == pytest.approx(3.0)
+    bucket.set_rate(100.0)  # the link slows tenfold
+    start = clock.now
+    assert _send(bucket, clock, [100] * 4) - start == pytest.approx(4.0)
+    bucket.set_rate(10_000.0)  # and speeds up a hundredfold
+    start = clock.now
+    assert _send(bucket, clock, [10_000] * 2) - start == pytest.approx(2.0)
+
+
+def test_bytes_owed_at_a_change_drain_at_the_new_rate() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(1000.0, clock=clock)
+    for _ in range(4):
+        bucket.reserve(1000)  # four transfers queue up 4 s of bytes at once
+    bucket.set_rate(4000.0)  # those 4000 bytes now drain in 1 s
+    assert bucket.reserve(4000) == pytest.approx(2.0)
+    bucket.set_rate(0.0)  # no limit: nothing is owed any more
+    assert bucket.reserve(1 << 20) == 0.0
+    clock.now += 0.1
+    bucket.set_rate(1000.0)  # limited again: starts from an empty queue
+    assert bucket.reserve(500) == pytest.approx(0.5)
+
+
+def test_an_idle_link_saves_nothing_across_a_change() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(1000.0, clock=clock)
+    _send(bucket, clock, [1000])
+    clock.now += 60.0
+    bucket.set_rate(500.0)
+    assert bucket.reserve(500) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("limit", [0.0, MIN_LIMIT, 2 * MBIT, MAX_LIMIT])
+def test_check_limit_accepts_none_and_sane_rates(limit: float) -> None:
+    assert check_limit(limit) == limit
+
+
+@pytest.mark.parametrize("limit", [-1.0, MIN_LIMIT / 2, MAX_LIMIT * 2, float("nan"), float("inf")])
+def test_check_limit_refuses_the_rest_saying_what_would_do(limit: float) -> None:
+    with pytest.raises(ConfigError, match=r"give 0 \(no limit\) or 0.001 to 1e\+07 Mbit/s"):
+        check_limit(limit)
+    with pytest.raises(ConfigError, match=r"^--link-mbit -8e-06 is out of range"):
+        check_limit(-1.0, what="--link-mbit -8e-06")
 
 
 async def test_acquire_waits_without_blocking_the_loop() -> None:

@@ -84,6 +84,60 @@ def test_the_estimate_follows_a_link_that_slows_down() -> None:
     assert estimate is not None and estimate == pytest.approx(1e6, rel=0.1)
 
 
+def test_a_speed_change_restarts_the_estimate_after_two_samples() -> None:
+    clock = FakeClock()
+    meter = BandwidthMeter(min_sample_bytes=64 * KIB, clock=clock)
+    for _ in range(10):
+        _transfer(meter, clock, 128 * KIB, rate=1e5)
+    _transfer(meter, clock, 128 * KIB, rate=1e7)  # the limit is lifted
+    first = meter.bytes_per_second
+    assert first is not None and 1e5 < first < 1e7 and meter.restarts == 0
+    _transfer(meter, clock, 128 * KIB, rate=1e7)
+    assert meter.bytes_per_second == pytest.approx(1e7) and meter.restarts == 1
+    for _ in range(2):  # and limited again
+        _transfer(meter, clock, 128 * KIB, rate=2e5)
+    assert meter.bytes_per_second == pytest.approx(2e5) and meter.restarts == 2
+
+
+def test_one_odd_sample_is_smoothed_in_not_restarted_from() -> None:
+    clock = FakeClock()
+    meter = BandwidthMeter(min_sample_bytes=64 * KIB, clock=clock)
+    for _ in range(5):
+        _transfer(meter, clock, 128 * KIB, rate=1e6)
+    _transfer(meter, clock, 128 * KIB, rate=1e4)  # the sender was preempted once
+    _transfer(meter, clock, 128 * KIB, rate=1e6)
+    # Far off in opposite directions is no new speed either.
+    _transfer(meter, clock, 128 * KIB, rate=1e8)
+    _transfer(meter, clock, 128 * KIB, rate=1e4)
+    assert meter.restarts == 0 and meter.samples == 9
+
+
+def test_a_slowed_link_is_sampled_after_a_quarter_second_of_busy_time() -> None:
+    clock = FakeClock()
+    meter = BandwidthMeter(min_sample_bytes=64 * KIB, max_sample_seconds=0.25, clock=clock)
+    for _ in range(3):
+        _transfer(meter, clock, 128 * KIB, rate=1e6)
+    # Limited to 10 kB/s: 1 KiB messages take 0.1 s each, and 64 KiB would take 6.6 s.
+    meter.begin()
+    seconds = 0.0
+    while meter.restarts == 0:
+        clock.now += KIB / 1e4
+        seconds += KIB / 1e4
+        meter.add(KIB)
+    meter.end()
+    assert seconds == pytest.approx(6 * KIB / 1e4)  # two samples of three messages each
+    assert meter.bytes_per_second == pytest.approx(1e4)
+
+
+def test_a_short_busy_spell_still_waits_for_enough_bytes() -> None:
+    clock = FakeClock()
+    meter = BandwidthMeter(min_sample_bytes=64 * KIB, max_sample_seconds=0.25, clock=clock)
+    for _ in range(10):  # 4 KiB round trips of 10 ms each: latency, not bandwidth
+        _transfer(meter, clock, 4 * KIB, rate=4 * KIB / 0.01)
+        clock.now += 1.0
+    assert meter.samples == 0
+
+
 def test_end_without_begin_is_a_bug() -> None:
     with pytest.raises(RuntimeError, match="without a matching begin"):
         BandwidthMeter().end()

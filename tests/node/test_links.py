@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from swarmpipe.compression import CODECS_BY_NAME
+from swarmpipe.errors import ConfigError
 from swarmpipe.node.links import MAX_CHANGES, Links
 from swarmpipe.node.transport import EncodeOptions
 from swarmpipe.protos import tensor_pb2
@@ -125,3 +126,53 @@ async def test_a_limited_link_paces_its_transfers() -> None:
     assert rate is not None and rate <= 200_000.0 * 1.001
     [estimate] = links.snapshot()
     assert estimate.wire_bytes == 80_000 and estimate.limit_bytes_per_second == 200_000.0
+
+
+async def test_set_limit_changes_existing_links_and_the_default_for_new_ones() -> None:
+    links, clock = _links()
+    await _send(links, clock, "n1", 1000, rate=1e9)
+    links.codec_for("n1", "activation", ACTIVATION, step=0, requested=0)
+    assert links.limit("n1") == 0.0
+    links.set_limit(None, 250_000.0)
+    assert links.limit("n1") == links.limit("n2") == 250_000.0
+    links.set_limit("n1", 1_000_000.0)  # one peer apart
+    assert (links.limit("n1"), links.limit("n2")) == (1_000_000.0, 250_000.0)
+    [estimate] = links.snapshot()
+    assert estimate.limit_bytes_per_second == 1_000_000.0
+    links.set_limit(None, 0.0)  # lifted everywhere
+    assert links.limit("n1") == links.limit("n9") == 0.0
+    assert links.snapshot()[0].limit_bytes_per_second == 0.0
+
+
+def test_set_limit_refuses_a_limit_out_of_range_and_keeps_the_old_one() -> None:
+    links, _ = _links()
+    links.set_limit(None, 125_000.0)
+    for bad in (-1.0, float("nan"), 1.0):
+        with pytest.raises(ConfigError, match="out of range"):
+            links.set_limit(None, bad)
+    assert links.limit("n1") == 125_000.0
+
+
+async def test_auto_follows_a_link_that_slows_down_and_recovers() -> None:
+    links, clock = _links()
+    links.record_compute(0.05)
+    lossless = ACTIVATION.numel() * 4
+
+    async def send_and_choose(rate: float, step: int) -> str:
+        codec = links.codec_for("n1", "activation", ACTIVATION, step=step, requested=0)
+        await _send(links, clock, "n1", lossless if _name(codec) == "lossless" else 34_000, rate)
+        return _name(codec)
+
+    fast = [await send_and_choose(1e8, step) for step in range(4)]
+    slow = [await send_and_choose(1e6, step) for step in range(4, 8)]
+    freed = [await send_and_choose(1e8, step) for step in range(8, 24)]
+    assert fast == ["lossless"] * 4
+    # The second slow sample restarts the meter; the choice follows on the next tensor.
+    assert slow[:2] == ["lossless", "lossless"] and slow[2:] == ["int4", "int4"]
+    assert freed[-1] == "lossless" and freed.index("lossless") <= 11  # 2 samples + 8 votes
+    [estimate] = links.snapshot()
+    assert [(c.step, _name(c.codec)) for c in estimate.changes] == [
+        (0, "lossless"),
+        (6, "int4"),
+        (8 + freed.index("lossless"), "lossless"),
+    ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarmpipe.errors import ConfigError
-from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, parse_schedule
+from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
 
 
 def test_schedule_parses_times_and_steps_in_order() -> None:
@@ -58,3 +58,40 @@ def test_random_kills_follow_the_seed_and_schedule_restarts() -> None:
     assert plan.due(now + 1.9, 0) == []
     assert plan.due(now + 2.0, 0) == [ChurnEvent("start", victim, seconds=now + 2.0)]
     assert ChurnPlan([], random_rate_per_min=600.0, seed=1).random_victim(60.0, []) == ""
+
+
+def test_link_items_parse_with_mbit_or_off_for_a_node_or_all() -> None:
+    events = parse_schedule("link n1=2@step8, link all=0.5@20s, link n1=off@step20, link n2=0@3s")
+    assert events == [
+        ChurnEvent("link", "n1", after_steps=8, mbit=2.0),
+        ChurnEvent("link", "all", seconds=20.0, mbit=0.5),
+        ChurnEvent("link", "n1", after_steps=20, mbit=None),
+        ChurnEvent("link", "n2", seconds=3.0, mbit=0.0),
+    ]
+    assert [e.label for e in events] == [
+        "link n1=2@step8",
+        "link all=0.5@20s",
+        "link n1=off@step20",
+        "link n2=0@3s",
+    ]
+    plan = ChurnPlan(events)
+    assert [e.label for e in plan.due(0.0, 8)] == ["link n1=2@step8"]
+
+
+@pytest.mark.parametrize("bad", ["link n1@step8", "link n1=fast@3s", "link n1=2", "link =2@3s"])
+def test_a_bad_link_item_is_named(bad: str) -> None:
+    with pytest.raises(ConfigError, match=f"--churn item '{bad}' must look like .* 'link NODE=2@"):
+        parse_schedule(f"link n0=1@1s, {bad}")
+
+
+@pytest.mark.parametrize("mbit", ["0.0000001", "99999999"])
+def test_a_link_limit_out_of_range_is_named(mbit: str) -> None:
+    item = f"link n1={mbit}@step2"
+    with pytest.raises(ConfigError, match=f"--churn item '{item}': .* is out of range"):
+        parse_schedule(item)
+
+
+def test_link_events_are_recorded_with_their_mbit() -> None:
+    record = ChurnRecord("link", "all", "step8", 3.5, 8, -1, "limited to 2 Mbit/s", mbit=2.0)
+    assert record.as_dict()["mbit"] == 2.0
+    assert ChurnRecord("kill", "n1", "3s", 3.0, 1, 0, "killed").as_dict()["mbit"] is None
