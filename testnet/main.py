@@ -156,6 +156,7 @@ class Testnet:
         self.link_controls: set[str] = set()
         """Nodes (or "all") given a retained LinkControl, cleared when the run ends."""
         self.training_since: float | None = None
+        self.training_began_wall: float | None = None
         self.step_seen_at: list[float] = []
 
     def _node_args(self, name: str) -> list[str]:
@@ -224,6 +225,11 @@ class Testnet:
         for record, seen in zip(report["steps"], self.step_seen_at, strict=False):
             record["seen_at_seconds"] = seen
         report["churn"] = [r.as_dict() for r in self.churn_records]
+        # Steps and churn count from when training began, link_choices from the testnet's
+        # start: this offset lines the two up.
+        report["training_began_at_seconds"] = (
+            None if self.training_began_wall is None else self.training_began_wall - started
+        )
         report["churn_not_reached"] = [e.label for e in self.churn.pending]
         return report
 
@@ -233,6 +239,7 @@ class Testnet:
             if status.phase == "waiting" and not status.steps:
                 return
             self.training_since = now
+            self.training_began_wall = time.time()
         elapsed = now - self.training_since
         steps = len(status.steps)
         stages = {n.node_id: n.stage for n in status.nodes}

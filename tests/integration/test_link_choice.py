@@ -203,6 +203,9 @@ def test_auto_follows_a_link_slowed_and_freed_during_the_run(
         first = next(i for i, t in enumerate(timeline) if t["codec"] != "lossless")
         assert timeline[first]["step"] >= slowed["step"], (key, codecs)
         assert timeline[first]["measured_mbit"] < 10, (key, timeline[first])
+        # On one clock: the codec changed after the testnet sent the new limit.
+        slowed_at = report["training_began_at_seconds"] + slowed["at_seconds"]
+        assert timeline[first]["seconds"] > slowed_at - 0.05, (key, timeline[first], slowed_at)
         # ...and lossless comes back after the limit was withdrawn, and stays.
         back = next(i for i in range(first, len(timeline)) if timeline[i]["codec"] == "lossless")
         assert timeline[back]["step"] >= freed["step"], (key, codecs)
