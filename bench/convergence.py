@@ -18,6 +18,13 @@ token ids in the MicrobatchHeader. Labels (int32, in every setting alike)
 are reported apart. Writes `convergence.json` and `convergence.md` into
 `--out` after each finished setting (so a long run can be read before it
 ends) and prints the JSON at the end.
+
+One seed is one trajectory: any change to the numbers crossing a boundary (fp16's
+included) sends training down another path, and on the default model two paths end a
+few percent apart after 2000 steps whatever the codec. `--seeds N` trains every
+setting with N seeds (`train.seed` and the next N - 1: initial weights and sample
+order) and compares settings seed by seed: "vs lossless" is the mean over seeds of
+each seed's ratio to lossless with that seed, beside its range.
 """
 
 from __future__ import annotations
@@ -241,15 +248,18 @@ class SimulatedPipeline:
 def train_setting(
     overrides: Sequence[str],
     setting: BoundarySetting,
+    seed: int,
+    *,
     steps: int,
     eval_every: int,
     eval_samples: int,
 ) -> dict[str, Any]:
-    """Train one setting for `steps` steps; its losses, held-out curve, bytes and time."""
+    """Train one setting with `seed` for `steps` steps; its losses, held-out curve, bytes
+    and time."""
     from swarmpipe.data import Corpus
 
     started = time.perf_counter()
-    pipe = SimulatedPipeline(overrides, setting)
+    pipe = SimulatedPipeline([*overrides, f"train.seed={seed}"], setting)
     cfg = pipe.config
     corpus = Corpus.load(cfg.data, cfg.model.context, cfg.train.seed)
     train_losses: list[float] = []
@@ -260,8 +270,9 @@ def train_setting(
         if done == steps or (eval_every and done % eval_every == 0):
             curve.append((done, pipe.evaluate(corpus, eval_samples)))
             logger.info(
-                "%s: step %d/%d train loss %.4f eval loss %.4f",
+                "%s seed %d: step %d/%d train loss %.4f eval loss %.4f",
                 setting.name,
+                seed,
                 done,
                 steps,
                 train_losses[-1],
@@ -269,8 +280,9 @@ def train_setting(
             )
         elif done % PROGRESS_EVERY == 0:  # a long run shows its pace between evaluations
             logger.info(
-                "%s: step %d/%d train loss %.4f after %.0f s",
+                "%s seed %d: step %d/%d train loss %.4f after %.0f s",
                 setting.name,
+                seed,
                 done,
                 steps,
                 train_losses[-1],
@@ -278,6 +290,7 @@ def train_setting(
             )
     return {
         "setting": asdict(setting),
+        "seed": seed,
         "eval_loss": curve[-1][1],
         "eval_curve": curve,
         "train_loss_last": train_losses[-1],
@@ -299,30 +312,74 @@ def _start_worker(threads: int, log_level: int) -> None:
     torch.set_num_threads(threads)
 
 
+def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One row per setting from its finished runs (one per seed): the mean held-out loss,
+    each seed's, and the mean curve over the seeds that finished."""
+    rows: dict[str, dict[str, Any]] = {}
+    for run in sorted(runs, key=lambda r: r["seed"]):
+        name = run["setting"]["name"]
+        row = rows.setdefault(
+            name,
+            {
+                "setting": run["setting"],
+                "eval_loss_per_seed": {},
+                "curves": [],
+                "bytes_per_token_per_hop": run["bytes_per_token_per_hop"],
+                "hops": run["hops"],
+                "parameters": run["parameters"],
+                "seconds": 0.0,
+            },
+        )
+        row["eval_loss_per_seed"][str(run["seed"])] = run["eval_loss"]
+        row["curves"].append(run["eval_curve"])
+        row["seconds"] += run["seconds"]
+    for row in rows.values():
+        losses = list(row["eval_loss_per_seed"].values())
+        row["eval_loss"] = sum(losses) / len(losses)
+        curves = row.pop("curves")
+        row["eval_curve"] = [
+            (points[0][0], sum(p[1] for p in points) / len(points))
+            for points in zip(*curves, strict=True)
+        ]
+    return rows
+
+
+def _paired(row: dict[str, Any], base: dict[str, Any]) -> list[float]:
+    """`row`'s held-out loss relative to `base`'s, for each seed both finished."""
+    mine, theirs = row["eval_loss_per_seed"], base["eval_loss_per_seed"]
+    return [mine[seed] / theirs[seed] - 1 for seed in mine if seed in theirs]
+
+
 def summarise(
     rows: dict[str, dict[str, Any]], order: Sequence[str], twin: str | None
-) -> dict[str, dict[str, float]]:
-    """Per finished row: eval loss relative to lossless and to the twin, bytes ratio to lossless.
+) -> dict[str, dict[str, Any]]:
+    """Per finished row: eval loss relative to lossless and to the twin (seed by seed, then
+    the mean and the range over seeds), bytes ratio to lossless.
 
     The activation figure a bottleneck saves is the tensor plus the token ids it needs.
     """
     base = rows.get("lossless")
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name in order:
         row = rows.get(name)
         if row is None:
             continue
         b = row["bytes_per_token_per_hop"]
-        entry: dict[str, float] = {"activation_with_ids": b["activation"] + b["token_ids"]}
+        entry: dict[str, Any] = {"activation_with_ids": b["activation"] + b["token_ids"]}
+        comparisons = [("lossless", base)]
+        if row["setting"]["bottleneck"] and twin is not None:
+            comparisons.append(("twin", rows.get(twin)))
+        for label, other in comparisons:
+            ratios = _paired(row, other) if other is not None else []
+            if ratios:
+                entry[f"eval_loss_vs_{label}"] = sum(ratios) / len(ratios)
+                entry[f"eval_loss_vs_{label}_range"] = [min(ratios), max(ratios)]
         if base is not None:
             bb = base["bytes_per_token_per_hop"]
-            entry["eval_loss_vs_lossless"] = row["eval_loss"] / base["eval_loss"] - 1
             entry["activation_reduction_vs_lossless"] = bb["activation"] / (
                 b["activation"] + b["token_ids"]
             )
             entry["gradient_reduction_vs_lossless"] = bb["gradient"] / b["gradient"]
-        if twin is not None and twin in rows and row["setting"]["bottleneck"]:
-            entry["eval_loss_vs_twin"] = row["eval_loss"] / rows[twin]["eval_loss"] - 1
         out[name] = entry
     return out
 
@@ -341,12 +398,22 @@ def markdown_table(result: dict[str, Any]) -> str:
         b = row["bytes_per_token_per_hop"]
         s = result["summary"][name]
 
-        def pct(key: str, s: dict[str, float] = s) -> str:
-            return f"{100 * s[key]:+.2f}%" if key in s else "—"
+        def pct(key: str, s: dict[str, Any] = s) -> str:
+            if key not in s:
+                return "—"
+            low, high = s[f"{key}_range"]
+            spread = f" ({100 * low:+.1f} to {100 * high:+.1f})" if low != high else ""
+            return f"{100 * s[key]:+.2f}%{spread}"
 
         reduction = s.get("activation_reduction_vs_lossless")
+        losses = row["eval_loss_per_seed"]
+        loss = f"{row['eval_loss']:.4f}" + (
+            f" ({min(losses.values()):.4f} to {max(losses.values()):.4f}, {len(losses)} seeds)"
+            if len(losses) > 1
+            else ""
+        )
         lines.append(
-            f"| {name} | {row['setting']['bottleneck'] or '—'} | {row['eval_loss']:.4f} "
+            f"| {name} | {row['setting']['bottleneck'] or '—'} | {loss} "
             f"| {pct('eval_loss_vs_lossless')} | {pct('eval_loss_vs_twin')} "
             f"| {b['activation']:.2f} | {b['token_ids']:.2f} | {b['gradient']:.2f} "
             f"| {f'{reduction:.1f}x' if reduction is not None else '—'} |"
@@ -384,7 +451,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eval-samples", type=int, default=2048, help="held-out samples per evaluation"
     )
-    parser.add_argument("--jobs", type=int, default=1, help="settings trained at once (processes)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="seeds per setting (train.seed and the next ones); comparisons pair them",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs (setting, seed) trained at once (processes)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per job")
     parser.add_argument(
         "--out", default="bench-results/convergence", help="directory for the JSON and Markdown"
@@ -395,8 +470,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     from swarmpipe.config import load_config
 
-    if args.steps < 1 or args.jobs < 1 or args.threads < 1 or args.eval_samples < 1:
-        raise SystemExit("--steps, --jobs, --threads and --eval-samples must be >= 1")
+    if min(args.steps, args.seeds, args.jobs, args.threads, args.eval_samples) < 1:
+        raise SystemExit("--steps, --seeds, --jobs, --threads and --eval-samples must be >= 1")
     config = load_config(None, args.set)  # a bad --set fails here, before any work
     if config.model.bottleneck:
         raise SystemExit("leave model.bottleneck unset: the bottleneck and twin rows set it")
@@ -407,10 +482,11 @@ def serve(args: argparse.Namespace) -> int:
     if any(s.bottleneck for s in settings):
         load_config(None, [*args.set, f"model.bottleneck={args.bottleneck}"])  # validate k
     twin = next((s.name for s in settings if s.bottleneck == config.model.d_model), None)
+    seeds = [config.train.seed + i for i in range(args.seeds)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "format": "swarmpipe.bench.convergence/1",
+        "format": "swarmpipe.bench.convergence/2",
         "command": "swarmpipe bench convergence " + " ".join(_argv_of(args)),
         "model": json.loads(config.to_json())["model"],
         "train": json.loads(config.to_json())["train"],
@@ -418,27 +494,34 @@ def serve(args: argparse.Namespace) -> int:
         "block_size": config.pipeline.int8_block_size,
         "steps": args.steps,
         "eval_samples": args.eval_samples,
+        "seeds": seeds,
         # The table's order is fixed; --settings orders the work (the first rows finish first).
         "order": [s.name for s in sorted(settings, key=lambda s: SETTING_KINDS.index(s.kind))],
         "notes": notes,
+        "runs": [],
         "settings": {},
         "summary": {},
         "complete": False,
     }
 
-    def record(row: dict[str, Any]) -> None:
-        result["settings"][row["setting"]["name"]] = row
+    def record(run: dict[str, Any]) -> None:
+        result["runs"].append(run)
+        result["settings"] = aggregate(result["runs"])
         result["summary"] = summarise(result["settings"], result["order"], twin)
-        result["complete"] = len(result["settings"]) == len(settings)
+        result["complete"] = len(result["runs"]) == len(settings) * len(seeds)
         (out / "convergence.json").write_text(json.dumps(result, indent=2))
         (out / "convergence.md").write_text(markdown_table(result))
-        logger.info("%s done: eval loss %.4f", row["setting"]["name"], row["eval_loss"])
+        logger.info(
+            "%s seed %d done: eval loss %.4f", run["setting"]["name"], run["seed"], run["eval_loss"]
+        )
 
-    work = (args.steps, args.eval_every, args.eval_samples)
+    work = {"steps": args.steps, "eval_every": args.eval_every, "eval_samples": args.eval_samples}
+    # Seed-major: with several seeds, every setting's first seed finishes first.
+    plan = [(setting, seed) for seed in seeds for setting in settings]
     if args.jobs == 1:
         _start_worker(args.threads, logging.getLogger().getEffectiveLevel())
-        for setting in settings:
-            record(train_setting(args.set, setting, *work))
+        for setting, seed in plan:
+            record(train_setting(args.set, setting, seed, **work))
     else:
         # spawn, not fork: the parent may hold torch threads, which fork does not copy safely.
         with concurrent.futures.ProcessPoolExecutor(
@@ -447,16 +530,13 @@ def serve(args: argparse.Namespace) -> int:
             initializer=_start_worker,
             initargs=(args.threads, logging.getLogger().getEffectiveLevel()),
         ) as pool:
-            futures = [pool.submit(train_setting, args.set, s, *work) for s in settings]
+            futures = [pool.submit(train_setting, args.set, s, seed, **work) for s, seed in plan]
             for future in concurrent.futures.as_completed(futures):
                 record(future.result())
     # Printed without the per-step losses, which the file keeps.
     brief = {
         **result,
-        "settings": {
-            name: {k: v for k, v in row.items() if k != "train_losses"}
-            for name, row in result["settings"].items()
-        },
+        "runs": [{k: v for k, v in run.items() if k != "train_losses"} for run in result["runs"]],
     }
     print(json.dumps(brief, indent=2))
     return 0
@@ -471,5 +551,6 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         f"--bottleneck-codec {args.bottleneck_codec}",
         f"--eval-every {args.eval_every}",
         f"--eval-samples {args.eval_samples}",
+        f"--seeds {args.seeds}",
     ]
     return argv + [f"--set {s}" for s in args.set]

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmpipe.bench.convergence import BoundarySetting, SimulatedPipeline, build_settings
+from swarmpipe.bench.convergence import (
+    BoundarySetting,
+    SimulatedPipeline,
+    aggregate,
+    build_settings,
+    summarise,
+)
 from swarmpipe.compression import CODECS_BY_NAME, decode_tensor, encode_tensor
 from swarmpipe.config import load_config
 from swarmpipe.data import Corpus
@@ -112,7 +118,7 @@ def test_unregistered_codecs_are_skipped_with_a_note() -> None:
 def test_the_command_writes_json_and_a_table_with_parallel_jobs(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "swarmpipe", "bench", "convergence", "--steps", "2",
            "--settings", "twin,lossless,bottleneck", "--jobs", "2", "--eval-every", "1",
-           "--eval-samples", "8", "--out", str(tmp_path)]  # fmt: skip
+           "--eval-samples", "8", "--seeds", "2", "--out", str(tmp_path)]  # fmt: skip
     for item in SMALL:
         cmd += ["--set", item]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
@@ -121,10 +127,39 @@ def test_the_command_writes_json_and_a_table_with_parallel_jobs(tmp_path: Path) 
     saved = json.loads((tmp_path / "convergence.json").read_text())
     assert saved["complete"] and printed["order"] == saved["order"]
     assert saved["order"] == ["lossless", "bottleneck-k4-int8", "twin-k32-lossless"]
+    assert saved["seeds"] == [0, 1] and len(saved["runs"]) == 6
+    for run in saved["runs"]:
+        assert len(run["train_losses"]) == 2 and [s for s, _ in run["eval_curve"]] == [1, 2]
     for row in saved["settings"].values():
-        assert len(row["train_losses"]) == 2 and [s for s, _ in row["eval_curve"]] == [1, 2]
+        per_seed = row["eval_loss_per_seed"]
+        assert set(per_seed) == {"0", "1"} and per_seed["0"] != per_seed["1"]  # other weights
+        assert row["eval_loss"] == pytest.approx(sum(per_seed.values()) / 2)
+        assert [s for s, _ in row["eval_curve"]] == [1, 2]
     summary = saved["summary"]["bottleneck-k4-int8"]
     assert summary["activation_reduction_vs_lossless"] > 20  # 128 B vs ~4 + 1 B per token
     assert "eval_loss_vs_twin" in summary
     table = (tmp_path / "convergence.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 4  # header, 3 rows
+
+
+def _run(name: str, seed: int, loss: float, bottleneck: int = 0) -> dict[str, object]:
+    setting = {"name": name, "bottleneck": bottleneck}
+    wire = {"activation": 512.0, "gradient": 512.0, "token_ids": 0.0, "microbatch_header": 4.0}
+    return {"setting": setting, "seed": seed, "eval_loss": loss, "seconds": 1.0, "hops": 2,
+            "parameters": 10, "eval_curve": [(10, loss + 1), (20, loss)],
+            "bytes_per_token_per_hop": wire}  # fmt: skip
+
+
+def test_settings_are_compared_seed_by_seed() -> None:
+    # Seed 1 is a worse trajectory for both settings: paired, int8 is 1% and 3% over lossless;
+    # comparing the means alone would also count seed 2, which int8 has not finished yet.
+    runs = [_run("lossless", 0, 2.0), _run("lossless", 1, 3.0), _run("lossless", 2, 1.0),
+            _run("int8", 1, 3.09), _run("int8", 0, 2.02)]  # fmt: skip
+    rows = aggregate(runs)
+    assert rows["int8"]["eval_loss_per_seed"] == {"0": 2.02, "1": 3.09}
+    assert rows["int8"]["eval_loss"] == pytest.approx(2.555)
+    assert rows["int8"]["eval_curve"] == [(10, pytest.approx(3.555)), (20, pytest.approx(2.555))]
+    summary = summarise(rows, ["lossless", "int8"], None)["int8"]
+    assert summary["eval_loss_vs_lossless"] == pytest.approx(0.02)
+    assert summary["eval_loss_vs_lossless_range"] == [pytest.approx(0.01), pytest.approx(0.03)]
+    assert "eval_loss_vs_twin" not in summary
