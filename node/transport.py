@@ -26,7 +26,7 @@ from swarmpipe.compression import (
     get_codec,
     iter_chunks,
 )
-from swarmpipe.config import DEFAULT_AUTO_CODECS, PipelineConfig
+from swarmpipe.config import DEFAULT_AUTO_CODECS, DEFAULT_STOCHASTIC_ROUNDING, PipelineConfig
 from swarmpipe.errors import PeerError
 from swarmpipe.protos import control_pb2, tensor_pb2
 
@@ -59,7 +59,7 @@ class EncodeOptions:
     """Codecs auto mode chooses among for activations, least lossy first."""
     auto_gradient: tuple[str, ...] = DEFAULT_AUTO_CODECS
     """Codecs auto mode chooses among for gradients, least lossy first."""
-    stochastic_rounding: tuple[str, ...] = ()
+    stochastic_rounding: tuple[str, ...] = DEFAULT_STOCHASTIC_ROUNDING
     """Roles ("activation", "gradient", "reduce") whose int8/int4 encodings round
     stochastically."""
 

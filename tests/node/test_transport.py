@@ -47,7 +47,11 @@ def test_codecs_that_do_not_quantise_ignore_the_setting() -> None:
     for codec in (tensor_pb2.CODEC_LOSSLESS, tensor_pb2.CODEC_FP16):
         assert not options.rounding(codec, "gradient", torch.device("cpu")).stochastic
     assert options.rounding(INT8, "reduce", torch.device("cpu")).stochastic
-    assert not EncodeOptions().rounding(INT8, "gradient", torch.device("cpu")).stochastic
+    assert EncodeOptions().rounding(INT8, "gradient", torch.device("cpu")).stochastic
+    nearest = EncodeOptions.from_pipeline(
+        load_config(None, ["pipeline.stochastic_rounding=[]"]).pipeline
+    )
+    assert not nearest.rounding(INT8, "activation", torch.device("cpu")).stochastic
 
 
 def test_stochastic_rounding_leaves_the_default_generator_alone() -> None:
