@@ -25,6 +25,11 @@ few percent apart after 2000 steps whatever the codec. `--seeds N` trains every
 setting with N seeds (`train.seed` and the next N - 1: initial weights and sample
 order) and compares settings seed by seed: "vs lossless" is the mean over seeds of
 each seed's ratio to lossless with that seed, beside its range.
+
+Rows of int8 and int4 are named with how they round (`pipeline.stochastic_rounding`).
+`--merge a.json b.json` trains nothing: it combines the runs of earlier results (other
+seeds, other rows, other machines) into one table, refusing results whose model, data,
+steps or training settings differ.
 """
 
 from __future__ import annotations
@@ -77,19 +82,55 @@ class BoundarySetting:
     """model.bottleneck for this row: 0 (the plain model) or the boundary width k."""
 
 
+def rounding_label(activation_codec: str, gradient_codec: str, roles: Sequence[str]) -> str:
+    """How a row's quantising codecs round under `pipeline.stochastic_rounding=roles`, as the
+    suffix of its name (", nearest", ", stochastic rounding"); "" when neither quantises.
+
+    Rounding changes what a row measures (int4 rounded to nearest diverges where stochastic
+    rounding trains), so rows run with different settings must never share a name.
+    """
+    from swarmpipe.compression import get_codec
+
+    quantised = [
+        role
+        for role, codec in (("activation", activation_codec), ("gradient", gradient_codec))
+        if get_codec(codec).rounds
+    ]
+    stochastic = [role for role in quantised if role in roles]
+    if not quantised:
+        return ""
+    if not stochastic:
+        return ", nearest"
+    if stochastic == quantised:
+        return ", stochastic rounding"
+    return ", stochastic rounding on " + " and ".join(f"{r}s" for r in stochastic)
+
+
 def build_settings(
-    kinds: Sequence[str], d_model: int, bottleneck: int, bottleneck_codec: str
+    kinds: Sequence[str],
+    d_model: int,
+    bottleneck: int,
+    bottleneck_codec: str,
+    stochastic_rounding: Sequence[str] = (),
 ) -> tuple[list[BoundarySetting], list[str]]:
-    """The rows `kinds` asks for, and a note for each one skipped (a codec not registered)."""
+    """The rows `kinds` asks for, and a note for each one skipped (a codec not registered).
+
+    A row of a quantising codec is named with how it rounds under `stochastic_rounding`
+    (the run's `pipeline.stochastic_rounding`), e.g. `int8, stochastic rounding`.
+    """
     from swarmpipe.compression import CODECS_BY_NAME
 
+    if bottleneck_codec not in CODECS_BY_NAME and "bottleneck" in kinds:
+        raise SystemExit(f"--bottleneck-codec {bottleneck_codec!r} is not a registered codec")
     settings: list[BoundarySetting] = []
     notes: list[str] = []
     for kind in kinds:
         if kind not in SETTING_KINDS:
             raise SystemExit(f"unknown setting {kind!r}; choose from {', '.join(SETTING_KINDS)}")
         if kind == "bottleneck":
-            name = f"bottleneck-k{bottleneck}-{bottleneck_codec}"
+            name = f"bottleneck-k{bottleneck}-{bottleneck_codec}" + rounding_label(
+                bottleneck_codec, bottleneck_codec, stochastic_rounding
+            )
             settings.append(
                 BoundarySetting(
                     kind=kind,
@@ -112,11 +153,10 @@ def build_settings(
         elif kind not in CODECS_BY_NAME:
             notes.append(f"{kind}: skipped, no codec of that name is registered in this build")
         else:
+            name = kind + rounding_label(kind, kind, stochastic_rounding)
             settings.append(
-                BoundarySetting(kind=kind, name=kind, activation_codec=kind, gradient_codec=kind)
+                BoundarySetting(kind=kind, name=name, activation_codec=kind, gradient_codec=kind)
             )
-    if bottleneck_codec not in CODECS_BY_NAME and "bottleneck" in kinds:
-        raise SystemExit(f"--bottleneck-codec {bottleneck_codec!r} is not a registered codec")
     return settings, notes
 
 
@@ -418,7 +458,19 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"| {b['activation']:.2f} | {b['token_ids']:.2f} | {b['gradient']:.2f} "
             f"| {f'{reduction:.1f}x' if reduction is not None else '—'} |"
         )
+    # The held-out curve, mean over each row's seeds: where settings part, not only the end.
+    steps = sorted({step for row in result["settings"].values() for step, _ in row["eval_curve"]})
+    curves = ["", "| setting | " + " | ".join(f"step {step}" for step in steps) + " |"]
+    curves.append("|---" * (len(steps) + 1) + "|")
+    for name in result["order"]:
+        row = result["settings"].get(name)
+        if row is not None:
+            at = dict(row["eval_curve"])
+            cells = [f"{at[step]:.4f}" if step in at else "—" for step in steps]
+            curves.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += curves
     notes = list(result["notes"])
+    notes.append("the second table: held-out loss at each evaluation, mean over the row's seeds")
     labels = [
         r["bytes_per_token_per_hop"]["microbatch_header"] for r in result["settings"].values()
     ]
@@ -464,12 +516,126 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default="bench-results/convergence", help="directory for the JSON and Markdown"
     )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="train nothing: combine the runs of these convergence.json files (other seeds, "
+        "other settings, other machines; same model, data and steps) into one table in --out",
+    )
     add_config_arguments(parser, with_file=False)
+
+
+MERGE_MUST_MATCH = ("format", "model", "stages", "block_size", "steps", "eval_samples")
+"""Fields of a result that every file `--merge` combines must share (and `train` but its seed)."""
+
+
+def merge_results(results: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One result from the runs of several (named source, result) pairs: rows ordered as the
+    table orders them, each run marked with the command that trained it.
+
+    SystemExit, naming the file, if two results trained different models, data or step
+    counts, or both hold the same setting and seed: a table must compare like with like.
+    """
+    if not results:
+        raise SystemExit("--merge needs at least one convergence.json")
+    first_name, first = results[0]
+
+    def train_but_seed(result: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in result.get("train", {}).items() if k != "seed"}
+
+    runs: list[dict[str, Any]] = []
+    seen: dict[tuple[str, int], str] = {}
+    for name, result in results:
+        if result.get("format") != first.get("format") or "runs" not in result:
+            raise SystemExit(
+                f"{name}: format {result.get('format')!r}; --merge reads "
+                f"{first.get('format')!r} results (written by bench convergence --seeds)"
+            )
+        for key in MERGE_MUST_MATCH:
+            if result.get(key) != first.get(key):
+                raise SystemExit(
+                    f"{name}: {key} is {result.get(key)!r} but {first_name} has "
+                    f"{first.get(key)!r}; only runs of the same model, data and steps compare"
+                )
+        if train_but_seed(result) != train_but_seed(first):
+            raise SystemExit(
+                f"{name}: train settings other than the seed differ from {first_name}'s"
+            )
+        for run in result["runs"]:
+            row, seed = run["setting"]["name"], run["seed"]
+            if (row, seed) in seen:
+                raise SystemExit(
+                    f"{name}: {row!r} seed {seed} is also in {seen[row, seed]}; "
+                    "keep one of the two runs"
+                )
+            seen[row, seed] = name
+            runs.append({**run, "source": run.get("source", result.get("command", name))})
+    settings_by_name = {run["setting"]["name"]: run["setting"] for run in runs}
+    for setting_name in settings_by_name:
+        points = {
+            tuple(step for step, _ in run["eval_curve"])
+            for run in runs
+            if run["setting"]["name"] == setting_name
+        }
+        if len(points) > 1:
+            raise SystemExit(
+                f"{setting_name!r}: its runs were evaluated at different steps "
+                f"({sorted(points)}); merge runs made with the same --eval-every"
+            )
+    # Table order: by kind as SETTING_KINDS lists them, then as the files listed the rows.
+    listed = [n for _, result in results for n in result.get("order", [])]
+    listed += [n for n in settings_by_name if n not in listed]
+    order = sorted(
+        dict.fromkeys(n for n in listed if n in settings_by_name),
+        key=lambda n: SETTING_KINDS.index(settings_by_name[n]["kind"]),
+    )
+    d_model = first["model"]["d_model"]
+    twin = next((n for n in order if settings_by_name[n]["bottleneck"] == d_model), None)
+    rows = aggregate(runs)
+    return {
+        **{key: first[key] for key in MERGE_MUST_MATCH},
+        "command": "swarmpipe bench convergence --merge " + " ".join(name for name, _ in results),
+        "train": first["train"],
+        "seeds": sorted({run["seed"] for run in runs}),
+        "order": order,
+        "notes": list(dict.fromkeys(n for _, result in results for n in result.get("notes", []))),
+        "runs": runs,
+        "settings": rows,
+        "summary": summarise(rows, order, twin),
+        "complete": all(result.get("complete", False) for _, result in results),
+    }
+
+
+def _merge(args: argparse.Namespace) -> int:
+    results = []
+    for name in args.merge:
+        try:
+            results.append((name, json.loads(Path(name).read_text())))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--merge {name}: cannot read it as JSON ({exc})") from None
+    result = merge_results(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "convergence.json").write_text(json.dumps(result, indent=2))
+    (out / "convergence.md").write_text(markdown_table(result))
+    print(json.dumps(_brief(result), indent=2))
+    return 0
+
+
+def _brief(result: dict[str, Any]) -> dict[str, Any]:
+    """`result` without the per-step losses, which the file keeps."""
+    return {
+        **result,
+        "runs": [{k: v for k, v in run.items() if k != "train_losses"} for run in result["runs"]],
+    }
 
 
 def serve(args: argparse.Namespace) -> int:
     from swarmpipe.config import load_config
 
+    if args.merge:
+        return _merge(args)
     if min(args.steps, args.seeds, args.jobs, args.threads, args.eval_samples) < 1:
         raise SystemExit("--steps, --seeds, --jobs, --threads and --eval-samples must be >= 1")
     config = load_config(None, args.set)  # a bad --set fails here, before any work
@@ -477,7 +643,11 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit("leave model.bottleneck unset: the bottleneck and twin rows set it")
     kinds = [k for k in args.settings.split(",") if k]
     settings, notes = build_settings(
-        kinds, config.model.d_model, args.bottleneck, args.bottleneck_codec
+        kinds,
+        config.model.d_model,
+        args.bottleneck,
+        args.bottleneck_codec,
+        config.pipeline.stochastic_rounding,
     )
     if any(s.bottleneck for s in settings):
         load_config(None, [*args.set, f"model.bottleneck={args.bottleneck}"])  # validate k
@@ -533,12 +703,7 @@ def serve(args: argparse.Namespace) -> int:
             futures = [pool.submit(train_setting, args.set, s, seed, **work) for s, seed in plan]
             for future in concurrent.futures.as_completed(futures):
                 record(future.result())
-    # Printed without the per-step losses, which the file keeps.
-    brief = {
-        **result,
-        "runs": [{k: v for k, v in run.items() if k != "train_losses"} for run in result["runs"]],
-    }
-    print(json.dumps(brief, indent=2))
+    print(json.dumps(_brief(result), indent=2))
     return 0
 
 

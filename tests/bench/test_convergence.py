@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from swarmpipe.bench.convergence import (
     SimulatedPipeline,
     aggregate,
     build_settings,
+    merge_results,
+    rounding_label,
     summarise,
 )
 from swarmpipe.compression import CODECS_BY_NAME, decode_tensor, encode_tensor
@@ -112,7 +115,21 @@ def test_unregistered_codecs_are_skipped_with_a_note() -> None:
         assert settings[0].name == "lowrank" and notes == []
     else:
         assert notes == ["lowrank: skipped, no codec of that name is registered in this build"]
-    assert settings[-1].name == "bottleneck-k4-int8" and settings[-1].bottleneck == 4
+    assert settings[-1].name == "bottleneck-k4-int8, nearest" and settings[-1].bottleneck == 4
+
+
+def test_rows_are_named_with_how_their_codecs_round() -> None:
+    kinds = ["lossless", "fp16", "int8", "int4", "bottleneck", "twin"]
+    both, _ = build_settings(kinds, 32, 4, "int4", ["activation", "gradient"])
+    assert [s.name for s in both] == ["lossless", "fp16", "int8, stochastic rounding",
+        "int4, stochastic rounding", "bottleneck-k4-int4, stochastic rounding",
+        "twin-k32-lossless"]  # fmt: skip
+    nearest, _ = build_settings(kinds, 32, 4, "int8", ["reduce"])
+    assert [s.name for s in nearest][2:5] == ["int8, nearest", "int4, nearest",
+                                              "bottleneck-k4-int8, nearest"]  # fmt: skip
+    assert rounding_label("int8", "int8", ["gradient"]) == ", stochastic rounding on gradients"
+    assert rounding_label("lossless", "int8", ["activation"]) == ", nearest"
+    assert rounding_label("lossless", "fp16", ["activation", "gradient"]) == ""
 
 
 @pytest.mark.slow
@@ -128,7 +145,8 @@ def test_the_command_writes_json_and_a_table_with_parallel_jobs(tmp_path: Path) 
     printed = json.loads(done.stdout)
     saved = json.loads((tmp_path / "convergence.json").read_text())
     assert saved["complete"] and printed["order"] == saved["order"]
-    assert saved["order"] == ["lossless", "bottleneck-k4-int8", "twin-k32-lossless"]
+    assert saved["order"] == ["lossless", "bottleneck-k4-int8, stochastic rounding",
+                              "twin-k32-lossless"]  # fmt: skip
     assert saved["seeds"] == [0, 1] and len(saved["runs"]) == 6
     for run in saved["runs"]:
         assert len(run["train_losses"]) == 2 and [s for s, _ in run["eval_curve"]] == [1, 2]
@@ -137,15 +155,18 @@ def test_the_command_writes_json_and_a_table_with_parallel_jobs(tmp_path: Path) 
         assert set(per_seed) == {"0", "1"} and per_seed["0"] != per_seed["1"]  # other weights
         assert row["eval_loss"] == pytest.approx(sum(per_seed.values()) / 2)
         assert [s for s, _ in row["eval_curve"]] == [1, 2]
-    summary = saved["summary"]["bottleneck-k4-int8"]
+    summary = saved["summary"]["bottleneck-k4-int8, stochastic rounding"]
     assert summary["activation_reduction_vs_lossless"] > 20  # 128 B vs ~4 + 1 B per token
     assert "eval_loss_vs_twin" in summary
     table = (tmp_path / "convergence.md").read_text()
-    assert sum(line.startswith("| ") for line in table.splitlines()) == 4  # header, 3 rows
+    # Each of the two tables (the summary, the held-out curve) has a header and 3 rows.
+    assert sum(line.startswith("| ") for line in table.splitlines()) == 8
+    assert "| lossless | " in table.split("| step 1 | step 2 |")[1]
 
 
-def _run(name: str, seed: int, loss: float, bottleneck: int = 0) -> dict[str, object]:
-    setting = {"name": name, "bottleneck": bottleneck}
+def _run(name: str, seed: int, loss: float, bottleneck: int = 0) -> dict[str, Any]:
+    kind = "twin" if bottleneck == 32 else "bottleneck" if bottleneck else name.partition(",")[0]
+    setting = {"kind": kind, "name": name, "bottleneck": bottleneck}
     wire = {"activation": 512.0, "gradient": 512.0, "token_ids": 0.0, "microbatch_header": 4.0}
     return {"setting": setting, "seed": seed, "eval_loss": loss, "seconds": 1.0, "hops": 2,
             "parameters": 10, "eval_curve": [(10, loss + 1), (20, loss)],
@@ -165,3 +186,52 @@ def test_settings_are_compared_seed_by_seed() -> None:
     assert summary["eval_loss_vs_lossless"] == pytest.approx(0.02)
     assert summary["eval_loss_vs_lossless_range"] == [pytest.approx(0.01), pytest.approx(0.03)]
     assert "eval_loss_vs_twin" not in summary
+
+
+def _result(runs: list[dict[str, Any]], **changes: Any) -> dict[str, Any]:
+    result = {"format": "swarmpipe.bench.convergence/2", "model": {"d_model": 32}, "stages": 3,
+              "block_size": 256, "steps": 20, "eval_samples": 8, "train": {"seed": 0, "lr": 1e-3},
+              "command": "swarmpipe bench convergence --seeds 1", "notes": [],
+              "order": list(dict.fromkeys(r["setting"]["name"] for r in runs)), "runs": runs,
+              "complete": True}  # fmt: skip
+    return {**result, **changes}
+
+
+def test_merge_combines_seeds_and_settings_from_several_files() -> None:
+    first = _result([_run("int8, nearest", 0, 2.02), _run("twin-k32-lossless", 0, 1.9, 32),
+                     _run("lossless", 0, 2.0),
+                     _run("bottleneck-k4-int8", 0, 1.995, 4)])  # fmt: skip
+    second = _result(
+        [_run("lossless", 1, 3.0), _run("int8, nearest", 1, 3.09)],
+        train={"seed": 1, "lr": 1e-3}, command="swarmpipe bench convergence --set train.seed=1",
+    )  # fmt: skip
+    merged = merge_results([("a.json", first), ("b.json", second)])
+    assert merged["order"] == ["lossless", "int8, nearest", "bottleneck-k4-int8",
+                               "twin-k32-lossless"]  # fmt: skip
+    assert merged["seeds"] == [0, 1] and len(merged["runs"]) == 6
+    assert {r["source"] for r in merged["runs"]} == {first["command"], second["command"]}
+    int8 = merged["summary"]["int8, nearest"]
+    assert int8["eval_loss_vs_lossless"] == pytest.approx(0.02)
+    assert merged["summary"]["bottleneck-k4-int8"]["eval_loss_vs_twin"] == pytest.approx(0.05)
+    assert merged["command"] == "swarmpipe bench convergence --merge a.json b.json"
+    # A merged result merges again, keeping where each run came from.
+    again = merge_results([("m.json", merged)])
+    assert again["summary"] == merged["summary"]
+    assert {r["source"] for r in again["runs"]} == {first["command"], second["command"]}
+
+
+def test_merge_refuses_runs_that_do_not_compare() -> None:
+    base = _result([_run("lossless", 0, 2.0)])
+    with pytest.raises(SystemExit, match=r"b\.json: steps is 30 but a\.json has 20"):
+        merge_results([("a.json", base), ("b.json", _result([_run("fp16", 0, 2.1)], steps=30))])
+    with pytest.raises(SystemExit, match=r"b\.json: 'lossless' seed 0 is also in a\.json"):
+        merge_results([("a.json", base), ("b.json", base)])
+    other_lr = _result([_run("fp16", 0, 2.1)], train={"seed": 0, "lr": 0.1})
+    with pytest.raises(SystemExit, match="train settings other than the seed differ"):
+        merge_results([("a.json", base), ("b.json", other_lr)])
+    late = _run("lossless", 1, 2.0)
+    late["eval_curve"] = [(20, 2.0)]
+    with pytest.raises(SystemExit, match="evaluated at different steps"):
+        merge_results([("a.json", base), ("b.json", _result([late]))])
+    with pytest.raises(SystemExit, match="format None"):
+        merge_results([("a.json", base), ("b.json", {"format": None})])
