@@ -14,8 +14,9 @@ bottleneck, since re-adding token embeddings changes the model too.
 
 Bytes per token are what crosses one hop per token, header included: the
 tensor (its TensorHeader plus payload) each way and, with the bottleneck, the
-token ids in the MicrobatchHeader. Labels (int32, in every setting alike)
-are reported apart. Writes `convergence.json` and `convergence.md` into
+first token id of each sample in the MicrobatchHeader (the other ids are the
+labels shifted by one). Labels (one byte a token, in every setting alike) are
+reported apart. Writes `convergence.json` and `convergence.md` into
 `--out` after each finished setting (so a long run can be read before it
 ends) and prints the JSON at the end.
 
@@ -210,19 +211,24 @@ class SimulatedPipeline:
         return decode_tensor(header, payload)
 
     def _count_headers(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
-        """Count one hop's MicrobatchHeader bytes: labels, and the token ids if they travel."""
-        from swarmpipe.node.token_ids import encode_token_ids
+        """Count one hop's MicrobatchHeader bytes: labels, and the first token ids if they
+        travel."""
+        from swarmpipe.node.token_ids import encode_token_ids, first_tokens_of
         from swarmpipe.protos import stage_pb2
 
         vocab = self.config.model.vocab
-        ids = encode_token_ids(tokens, vocab) if self.setting.bottleneck else b""
+        firsts = (
+            encode_token_ids(first_tokens_of(tokens, labels), vocab)
+            if self.setting.bottleneck
+            else b""
+        )
         # What node/head.py sends, without the ids and names whose size does not grow.
         header = stage_pb2.MicrobatchHeader(
-            labels=labels.numpy().astype("<i4").tobytes(), tokens=ids
+            labels=encode_token_ids(labels, vocab), first_tokens=firsts
         )
         self.wire["microbatch_header"] += header.ByteSize()
-        if ids:
-            self.wire["token_ids"] += stage_pb2.MicrobatchHeader(tokens=ids).ByteSize()
+        if firsts:
+            self.wire["token_ids"] += stage_pb2.MicrobatchHeader(first_tokens=firsts).ByteSize()
         self.hop_tokens += labels.numel()
 
     def microbatch(

@@ -23,7 +23,7 @@ import torch
 from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError, HopResult
-from swarmpipe.node.token_ids import encode_token_ids
+from swarmpipe.node.token_ids import encode_token_ids, first_tokens_of
 from swarmpipe.protos import coordinator_pb2, stage_pb2
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class Head:
             sample_start=lease.sample_start,
             sample_count=labels.shape[0],
             origin_node=d.node_id,
-            labels=labels.numpy().astype("<i4").tobytes(),
+            labels=encode_token_ids(labels, config.model.vocab),
             context=config.model.context,
             gradient_codec=d.gradient_codec,  # type: ignore[arg-type]
             hop=1,
@@ -107,8 +107,11 @@ class Head:
             eval=lease.eval,
         )
         if config.model.bottleneck and config.pipeline.stages > 1:
-            # Stages after a bottleneck boundary re-add token embeddings from these.
-            header.tokens = encode_token_ids(tokens, config.model.vocab)
+            # Stages after a bottleneck boundary re-add token embeddings; they derive the
+            # ids from these and the labels (node/token_ids.py).
+            header.first_tokens = encode_token_ids(
+                first_tokens_of(tokens, labels), config.model.vocab
+            )
         return header
 
     async def _process(self, lease: coordinator_pb2.LeaseReply) -> None:

@@ -19,14 +19,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
-import numpy as np
 import torch
 
 from swarmpipe.compression import get_codec
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.router import HopError, HopResult
-from swarmpipe.node.token_ids import decode_token_ids
+from swarmpipe.node.token_ids import decode_token_ids, tokens_from_labels
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
 
@@ -68,15 +67,17 @@ async def read_forward_request(
     return header, await reader.finish()
 
 
-def decode_labels(header: stage_pb2.MicrobatchHeader) -> torch.Tensor:
-    want = header.sample_count * header.context * 4
-    if len(header.labels) != want:
-        raise PeerError(
-            f"labels are {len(header.labels)} bytes; {header.sample_count} samples x "
-            f"{header.context} tokens of int32 need {want}"
-        )
-    array = np.frombuffer(header.labels, dtype="<i4").reshape(header.sample_count, header.context)
-    return torch.from_numpy(array.astype(np.int64))
+def decode_labels_and_tokens(
+    header: stage_pb2.MicrobatchHeader, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The microbatch's labels [B, T] and, when it carries first_tokens, its input ids [B, T];
+    PeerError if either is malformed."""
+    shape = (header.sample_count, header.context)
+    labels = decode_token_ids(header.labels, shape, vocab, "labels")
+    if not header.first_tokens:
+        return labels, None
+    first = decode_token_ids(header.first_tokens, shape[:1], vocab, "first token ids")
+    return labels, tokens_from_labels(first, labels)
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -207,15 +208,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if header.gradient_codec:
                 get_codec(header.gradient_codec)  # CodecError names an unknown codec
             runtime.check_activation(activation, header.sample_count)
-            labels = decode_labels(header)
-            runtime.check_labels(labels)
-            tokens = (
-                decode_token_ids(
-                    header.tokens, header.sample_count, header.context, d.config.model.vocab
-                )
-                if header.tokens
-                else None
-            )
+            labels, tokens = decode_labels_and_tokens(header, d.config.model.vocab)
             runtime.check_tokens(tokens)
         except (PeerError, CodecError) as exc:
             logger.warning("refused a microbatch: %s", exc)

@@ -99,11 +99,6 @@ class StageRuntime:
         if not bool(torch.isfinite(x).all()):
             raise PeerError("activation contains NaN or infinite values")
 
-    def check_labels(self, labels: torch.Tensor) -> None:
-        vocab = self.config.model.vocab
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
-            raise PeerError(f"labels must be token ids in [0, {vocab})")
-
     def check_tokens(self, tokens: torch.Tensor | None) -> None:
         """Reject a microbatch without token ids when this stage re-adds token embeddings.
 
@@ -112,7 +107,7 @@ class StageRuntime:
         if self.needs_tokens and tokens is None:
             raise PeerError(
                 "this stage re-adds token embeddings (model.bottleneck) and needs the "
-                "microbatch's token ids in MicrobatchHeader.tokens; the sender sent none"
+                "microbatch's token ids (MicrobatchHeader.first_tokens); the sender sent none"
             )
 
     # -- compute -----------------------------------------------------------

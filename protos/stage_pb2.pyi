@@ -36,7 +36,7 @@ class MicrobatchHeader(_message.Message):
     GRADIENT_CODEC_FIELD_NUMBER: _builtins.int
     HOP_FIELD_NUMBER: _builtins.int
     SENDER_NODE_FIELD_NUMBER: _builtins.int
-    TOKENS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
     EVAL_FIELD_NUMBER: _builtins.int
     microbatch_id: _builtins.str
     """unique per attempt chain; reused on resend"""
@@ -47,7 +47,10 @@ class MicrobatchHeader(_message.Message):
     origin_node: _builtins.str
     """the head that leased the samples"""
     labels: _builtins.bytes
-    """int32 little-endian, shape [sample_count, context]"""
+    """The target ids, shape [sample_count, context], in the token-id width (node/token_ids.py:
+    one byte per id for a vocabulary of <= 256, else 2 (<= 65536), else 4; unsigned
+    little-endian).
+    """
     context: _builtins.int
     gradient_codec: _tensor_pb2.Codec.ValueType
     """codec the receiver must return the gradient in; CODEC_UNSPECIFIED:"""
@@ -57,11 +60,11 @@ class MicrobatchHeader(_message.Message):
     """
     sender_node: _builtins.str
     """the node that sent this hop"""
-    tokens: _builtins.bytes
-    """The samples' token ids, shape [sample_count, context], only when a stage
-    re-adds token embeddings (model.bottleneck); empty otherwise. One byte per
-    id when the vocabulary fits (<= 256), else 2 (<= 65536), else 4; unsigned
-    little-endian. See node/token_ids.py.
+    first_tokens: _builtins.bytes
+    """Only when a stage re-adds token embeddings (model.bottleneck); empty otherwise. Each
+    sample's first token id, shape [sample_count], in the labels' width. A sample is a window
+    of the text, so its other ids are its labels shifted by one: tokens[:, 1:] ==
+    labels[:, :-1], and the ids cost one per sample rather than one per token.
     """
     eval: _builtins.bool
     """Forward only, for a held-out loss: no stage saves activations or returns a gradient."""
@@ -79,12 +82,12 @@ class MicrobatchHeader(_message.Message):
         gradient_codec: _tensor_pb2.Codec.ValueType = ...,
         hop: _builtins.int = ...,
         sender_node: _builtins.str = ...,
-        tokens: _builtins.bytes = ...,
+        first_tokens: _builtins.bytes = ...,
         eval: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "eval", b"eval", "gradient_codec", b"gradient_codec", "hop", b"hop", "labels", b"labels", "lease_id", b"lease_id", "microbatch_id", b"microbatch_id", "origin_node", b"origin_node", "sample_count", b"sample_count", "sample_start", b"sample_start", "sender_node", b"sender_node", "step", b"step", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "eval", b"eval", "first_tokens", b"first_tokens", "gradient_codec", b"gradient_codec", "hop", b"hop", "labels", b"labels", "lease_id", b"lease_id", "microbatch_id", b"microbatch_id", "origin_node", b"origin_node", "sample_count", b"sample_count", "sample_start", b"sample_start", "sender_node", b"sender_node", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

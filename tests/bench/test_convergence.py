@@ -88,7 +88,7 @@ def test_an_int8_boundary_sends_decode_of_encode_both_ways() -> None:
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
 
 
-def test_bytes_per_token_count_tensors_and_token_ids() -> None:
+def test_bytes_per_token_count_tensors_labels_and_first_token_ids() -> None:
     corpus = Corpus.load(load_config(None, SMALL).data, 16, 0)
     plain = SimulatedPipeline(SMALL, _setting("lossless"))
     plain.train_step(0, corpus)
@@ -98,10 +98,12 @@ def test_bytes_per_token_count_tensors_and_token_ids() -> None:
     # fp32 at d_model 32 is 128 bytes a token; headers add a little.
     assert 128 < p["activation"] < 130 and 128 < p["gradient"] < 130
     assert p["token_ids"] == 0
-    # k = 4 int8 codes plus an fp32 scale per 256 of them, headers; one byte per token id.
+    assert 1 <= p["microbatch_header"] < 1.05  # labels, one byte a token
+    # k = 4 int8 codes plus an fp32 scale per 256 of them, headers; one byte per sample of
+    # 16 tokens for its first id (the others are the labels shifted), and the field's tag.
     assert 4 < n["activation"] < 4.5 and 4 < n["gradient"] < 4.5
-    assert 1 < n["token_ids"] < 1.05
-    assert n["microbatch_header"] > p["microbatch_header"] + 1  # the ids ride in it
+    assert 1 / 16 < n["token_ids"] < 1 / 16 + 0.05
+    assert n["microbatch_header"] == pytest.approx(p["microbatch_header"] + n["token_ids"])
 
 
 def test_unregistered_codecs_are_skipped_with_a_note() -> None:

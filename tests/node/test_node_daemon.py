@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import torch
 
@@ -58,7 +57,7 @@ def _messages(
     codec: str = "lossless",
     mangle: str = "",
 ) -> list[stage_pb2.ForwardMessage]:
-    labels = np.zeros((count, CONTEXT), dtype="<i4").tobytes()
+    labels = bytes(count * CONTEXT)  # one byte per id: the byte-level vocabulary
     header = stage_pb2.MicrobatchHeader(
         microbatch_id=f"test-{time.monotonic_ns()}",
         step=step,
@@ -114,6 +113,17 @@ def test_bad_input_is_invalid_argument_and_the_node_keeps_serving(last_stage, ca
     kinds = [r.WhichOneof("kind") for r in replies]
     assert kinds[0] == "tensor" and kinds[-1] == "result"
     assert replies[-1].result.tokens == 2 * CONTEXT
+
+
+def test_labels_in_the_wrong_width_are_invalid_argument(last_stage) -> None:  # type: ignore[no-untyped-def]
+    stub, _ = last_stage
+    step = stub.Info(stage_pb2.StageInfoRequest(), timeout=5).step
+    messages = _messages(step, torch.randn(2, CONTEXT, WIDTH))
+    messages[0].microbatch.labels = bytes(4 * 2 * CONTEXT)  # int32, as senders once sent them
+    with pytest.raises(grpc.RpcError) as err:
+        _call(stub, messages)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"labels are {8 * CONTEXT} bytes" in (err.value.details() or ""), err.value.details()
 
 
 def test_malformed_message_order_is_invalid_argument(last_stage) -> None:  # type: ignore[no-untyped-def]
@@ -267,19 +277,19 @@ def test_a_stage_after_a_bottleneck_needs_well_formed_token_ids(procs, tiny) -> 
         stub = stage_pb2_grpc.StageStub(channel)
         step = poll_until(lambda: _info_or_none(stub), 30, "the stage-1 node to serve").step
         x = torch.randn(2, CONTEXT, k)
-        for tokens, words in [
+        for firsts, words in [
             (b"", "needs the microbatch's token ids"),
-            (bytes(2 * CONTEXT - 1), "token ids are 63 bytes"),
+            (bytes(3), "first token ids are 3 bytes; 2 ids of 1 byte"),
         ]:
             messages = _messages(step, x)
-            messages[0].microbatch.tokens = tokens
+            messages[0].microbatch.first_tokens = firsts
             with pytest.raises(grpc.RpcError) as err:
                 _call(stub, messages)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert words in (err.value.details() or ""), err.value.details()
-        # One byte per token id, and the gradient that comes back is k wide.
+        # One byte per sample, and the gradient that comes back is k wide.
         messages = _messages(step, x)
-        messages[0].microbatch.tokens = bytes(range(2 * CONTEXT))
+        messages[0].microbatch.first_tokens = bytes([7, 255])
         replies = _call(stub, messages)
         assert replies[0].WhichOneof("kind") == "tensor"
         assert list(replies[0].tensor.shape) == [2, CONTEXT, k]
