@@ -57,6 +57,11 @@ logger = logging.getLogger(__name__)
 CODEC_SETTINGS = ("lossless", "fp16", "int8", "int4", "lowrank")
 """Settings that put one codec on both directions of every hop, in table order."""
 
+WIRE = 2
+"""Which MicrobatchHeader a run's byte figures were measured with: 1 sent int32 labels and
+every token id, 2 sends labels in the id width and each sample's first id (node/token_ids.py).
+Training is the same under both; only the header bytes differ."""
+
 SETTING_KINDS = (*CODEC_SETTINGS, "bottleneck", "twin")
 """What `--settings` may name: the codec settings, the bottleneck, and its full-width twin."""
 
@@ -169,8 +174,11 @@ class SimulatedPipeline:
     token count before each stage's own AdamW step.
     """
 
-    def __init__(self, overrides: Sequence[str], setting: BoundarySetting) -> None:
+    def __init__(
+        self, overrides: Sequence[str], setting: BoundarySetting, device: str = "cpu"
+    ) -> None:
         from swarmpipe.config import load_config
+        from swarmpipe.model.bottleneck import build_optimizer
         from swarmpipe.node.stage_runtime import StageRuntime
         from swarmpipe.node.transport import EncodeOptions
 
@@ -181,6 +189,13 @@ class SimulatedPipeline:
         self.options = EncodeOptions.from_pipeline(self.config.pipeline)
         self._states: dict[tuple[int, str], EncoderState] = {}
         self.runtimes = [StageRuntime(self.config, s) for s in range(self.config.pipeline.stages)]
+        # Built on the CPU, so every device starts from the same weights; then moved, and
+        # the optimizer rebuilt over the moved parameters (it holds no state yet).
+        self.device = device
+        if device != "cpu":
+            for runtime in self.runtimes:
+                runtime.module.to(device)
+                runtime.optimizer = build_optimizer(runtime.module, self.config)
         self.hops = len(self.runtimes) - 1
         # Bytes over every hop, and the tokens that crossed each hop, since the start.
         self.wire = {"activation": 0, "gradient": 0, "token_ids": 0, "microbatch_header": 0}
@@ -208,7 +223,7 @@ class SimulatedPipeline:
         )
         if count:
             self.wire[direction] += header.ByteSize() + len(payload)
-        return decode_tensor(header, payload)
+        return decode_tensor(header, payload, device=self.device)
 
     def _count_headers(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Count one hop's MicrobatchHeader bytes: labels, and the first token ids if they
@@ -236,12 +251,13 @@ class SimulatedPipeline:
     ) -> tuple[float, int]:
         """One microbatch down the stages and its gradient back up: (loss sum, tokens)."""
         s = self.setting
-        x = tokens
+        ids, targets = tokens.to(self.device), labels.to(self.device)
+        x = ids
         for index, runtime in enumerate(self.runtimes[:-1]):
-            out = runtime.forward(f"{microbatch_id}/{index}", microbatch_id, x, tokens)
+            out = runtime.forward(f"{microbatch_id}/{index}", microbatch_id, x, ids)
             x = self._cross(out, s.activation_codec, index, "activation")
             self._count_headers(tokens, labels)
-        last = self.runtimes[-1].forward_last(microbatch_id, x, labels, tokens)
+        last = self.runtimes[-1].forward_last(microbatch_id, x, targets, ids)
         grad = last.grad_input
         for index in range(len(self.runtimes) - 2, -1, -1):
             assert grad is not None  # only stage 0 returns no input gradient
@@ -272,6 +288,7 @@ class SimulatedPipeline:
         from swarmpipe.model import token_loss_sum
 
         x_all, y_all = corpus.heldout(count)  # each [count, T]
+        x_all, y_all = x_all.to(self.device), y_all.to(self.device)
         loss_sum = 0.0
         with torch.no_grad():
             for start in range(0, x_all.shape[0], EVAL_BATCH):
@@ -299,13 +316,14 @@ def train_setting(
     steps: int,
     eval_every: int,
     eval_samples: int,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Train one setting with `seed` for `steps` steps; its losses, held-out curve, bytes
     and time."""
     from swarmpipe.data import Corpus
 
     started = time.perf_counter()
-    pipe = SimulatedPipeline([*overrides, f"train.seed={seed}"], setting)
+    pipe = SimulatedPipeline([*overrides, f"train.seed={seed}"], setting, device)
     cfg = pipe.config
     corpus = Corpus.load(cfg.data, cfg.model.context, cfg.train.seed)
     train_losses: list[float] = []
@@ -345,7 +363,19 @@ def train_setting(
         "hops": pipe.hops,
         "parameters": sum(r.n_parameters for r in pipe.runtimes),
         "seconds": time.perf_counter() - started,
+        "device": device_name(device),
+        "corpus": corpus.fingerprint,
+        "wire": WIRE,
     }
+
+
+def device_name(device: str) -> str:
+    """What `device` is, for the record: `cpu`, or the accelerator's own name."""
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return device
 
 
 def _start_worker(threads: int, log_level: int) -> None:
@@ -360,9 +390,10 @@ def _start_worker(threads: int, log_level: int) -> None:
 
 def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """One row per setting from its finished runs (one per seed): the mean held-out loss,
-    each seed's, and the mean curve over the seeds that finished."""
+    each seed's, and the mean curve over the seeds that finished. Its bytes are the newest
+    wire's among its runs (bytes depend on the setting and the header, not on the seed)."""
     rows: dict[str, dict[str, Any]] = {}
-    for run in sorted(runs, key=lambda r: r["seed"]):
+    for run in sorted(runs, key=lambda r: (-r.get("wire", 1), r["seed"])):
         name = run["setting"]["name"]
         row = rows.setdefault(
             name,
@@ -371,6 +402,7 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "eval_loss_per_seed": {},
                 "curves": [],
                 "bytes_per_token_per_hop": run["bytes_per_token_per_hop"],
+                "wire": run.get("wire", 1),
                 "hops": run["hops"],
                 "parameters": run["parameters"],
                 "seconds": 0.0,
@@ -380,6 +412,9 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         row["curves"].append(run["eval_curve"])
         row["seconds"] += run["seconds"]
     for row in rows.values():
+        row["eval_loss_per_seed"] = dict(
+            sorted(row["eval_loss_per_seed"].items(), key=lambda item: int(item[0]))
+        )
         losses = list(row["eval_loss_per_seed"].values())
         row["eval_loss"] = sum(losses) / len(losses)
         curves = row.pop("curves")
@@ -485,6 +520,11 @@ def markdown_table(result: dict[str, Any]) -> str:
             "every setting also sends the labels in the microbatch header "
             f"(about {min(labels):.2f} B/token per hop without token ids)"
         )
+    if any(r.get("wire", 1) < WIRE for r in result.get("runs", [])):
+        notes.append(
+            "some runs measured their bytes under an older header (int32 labels, every token "
+            "id); a row's bytes are its newest runs', and training is the same under both"
+        )
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
 
 
@@ -520,6 +560,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per job")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device the stages train on (cpu, cuda, cuda:1): a run on a GPU takes a "
+        "different but equally valid path, like another seed",
+    )
+    parser.add_argument(
         "--out", default="bench-results/convergence", help="directory for the JSON and Markdown"
     )
     parser.add_argument(
@@ -532,7 +578,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, with_file=False)
 
 
-MERGE_MUST_MATCH = ("format", "model", "stages", "block_size", "steps", "eval_samples")
+MERGE_MUST_MATCH = ("format", "model", "corpus", "stages", "block_size", "steps", "eval_samples")
 """Fields of a result that every file `--merge` combines must share (and `train` but its seed)."""
 
 
@@ -600,7 +646,7 @@ def merge_results(results: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, An
     twin = next((n for n in order if settings_by_name[n]["bottleneck"] == d_model), None)
     rows = aggregate(runs)
     return {
-        **{key: first[key] for key in MERGE_MUST_MATCH},
+        **{key: first.get(key) for key in MERGE_MUST_MATCH},
         "command": "swarmpipe bench convergence --merge " + " ".join(name for name, _ in results),
         "train": first["train"],
         "seeds": sorted({run["seed"] for run in runs}),
@@ -637,14 +683,30 @@ def _brief(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _check_device(device: str) -> None:
+    """SystemExit unless torch can train on `device` here."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise SystemExit(f"--device {device!r} is not a torch device: {exc}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device!r}: torch sees no CUDA device here")
+    if kind not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {device!r}: the bench trains on cpu or cuda")
+
+
 def serve(args: argparse.Namespace) -> int:
     from swarmpipe.config import load_config
+    from swarmpipe.data import Corpus
 
     if args.merge:
         return _merge(args)
     if min(args.steps, args.seeds, args.jobs, args.threads, args.eval_samples) < 1:
         raise SystemExit("--steps, --seeds, --jobs, --threads and --eval-samples must be >= 1")
     config = load_config(None, args.set)  # a bad --set fails here, before any work
+    _check_device(args.device)
     if config.model.bottleneck:
         raise SystemExit("leave model.bottleneck unset: the bottleneck and twin rows set it")
     kinds = [k for k in args.settings.split(",") if k]
@@ -670,6 +732,9 @@ def serve(args: argparse.Namespace) -> int:
         "block_size": config.pipeline.int8_block_size,
         "steps": args.steps,
         "eval_samples": args.eval_samples,
+        # Which text: runs on another machine (another Python's standard library, the
+        # default corpus) are not comparable, and --merge checks this.
+        "corpus": Corpus.load(config.data, config.model.context, config.train.seed).fingerprint,
         "seeds": seeds,
         # The table's order is fixed; --settings orders the work (the first rows finish first).
         "order": [s.name for s in sorted(settings, key=lambda s: SETTING_KINDS.index(s.kind))],
@@ -691,7 +756,12 @@ def serve(args: argparse.Namespace) -> int:
             "%s seed %d done: eval loss %.4f", run["setting"]["name"], run["seed"], run["eval_loss"]
         )
 
-    work = {"steps": args.steps, "eval_every": args.eval_every, "eval_samples": args.eval_samples}
+    work = {
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "eval_samples": args.eval_samples,
+        "device": args.device,
+    }
     # Seed-major: with several seeds, every setting's first seed finishes first.
     plan = [(setting, seed) for seed in seeds for setting in settings]
     if args.jobs == 1:
@@ -724,4 +794,6 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         f"--eval-samples {args.eval_samples}",
         f"--seeds {args.seeds}",
     ]
+    if args.device != "cpu":
+        argv.append(f"--device {args.device}")
     return argv + [f"--set {s}" for s in args.set]

@@ -56,6 +56,25 @@ def test_lossless_simulation_matches_single_process_training(bottleneck: int) ->
         assert abs(got - want) <= 1e-6 * abs(want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", ["lossless", "int8"])
+def test_a_gpu_run_starts_from_the_cpu_weights_and_trains_alike(codec: str) -> None:
+    corpus = Corpus.load(load_config(None, SMALL).data, 16, 0)
+    overrides = [*SMALL, "pipeline.stochastic_rounding=[]"]
+    cpu = SimulatedPipeline(overrides, _setting(codec, 4))
+    gpu = SimulatedPipeline(overrides, _setting(codec, 4), "cuda")
+    for a, b in zip(cpu.runtimes, gpu.runtimes, strict=True):
+        for p, q in zip(a.module.parameters(), b.module.parameters(), strict=True):
+            assert q.is_cuda and torch.equal(p, q.cpu())
+    losses = [(cpu.train_step(step, corpus), gpu.train_step(step, corpus)) for step in range(3)]
+    for c, g in losses:
+        assert abs(c - g) < 1e-2 * c, losses
+    # The same shapes and codecs, so the same bytes up to the few a checksum's varint varies.
+    for kind, n in cpu.bytes_per_token().items():
+        assert gpu.bytes_per_token()[kind] == pytest.approx(n, rel=1e-3)
+    assert abs(cpu.evaluate(corpus, 8) - gpu.evaluate(corpus, 8)) < 2e-2
+
+
 def test_an_int8_boundary_sends_decode_of_encode_both_ways() -> None:
     """One microbatch through 2 stages by hand, the codec on each hop, against the simulation.
 
@@ -175,6 +194,17 @@ def _run(name: str, seed: int, loss: float, bottleneck: int = 0) -> dict[str, An
             "bytes_per_token_per_hop": wire}  # fmt: skip
 
 
+def test_a_row_reports_the_bytes_of_its_newest_wire() -> None:
+    old = _run("bottleneck-k4-int8", 0, 2.0, 4)
+    old["bytes_per_token_per_hop"] = {**old["bytes_per_token_per_hop"], "token_ids": 1.01}
+    new = {**_run("bottleneck-k4-int8", 1, 2.1, 4), "wire": 2}
+    new["bytes_per_token_per_hop"] = {**new["bytes_per_token_per_hop"], "token_ids": 0.02}
+    row = aggregate([old, new])["bottleneck-k4-int8"]
+    assert row["bytes_per_token_per_hop"]["token_ids"] == 0.02 and row["wire"] == 2
+    assert list(row["eval_loss_per_seed"]) == ["0", "1"]
+    assert row["eval_loss"] == pytest.approx(2.05)
+
+
 def test_settings_are_compared_seed_by_seed() -> None:
     # Seed 1 is a worse trajectory for both settings: paired, int8 is 1% and 3% over lossless;
     # comparing the means alone would also count seed 2, which int8 has not finished yet.
@@ -192,7 +222,8 @@ def test_settings_are_compared_seed_by_seed() -> None:
 
 def _result(runs: list[dict[str, Any]], **changes: Any) -> dict[str, Any]:
     result = {"format": "swarmpipe.bench.convergence/2", "model": {"d_model": 32}, "stages": 3,
-              "block_size": 256, "steps": 20, "eval_samples": 8, "train": {"seed": 0, "lr": 1e-3},
+              "block_size": 256, "steps": 20, "eval_samples": 8, "corpus": "c0ffee",
+              "train": {"seed": 0, "lr": 1e-3},
               "command": "swarmpipe bench convergence --seeds 1", "notes": [],
               "order": list(dict.fromkeys(r["setting"]["name"] for r in runs)), "runs": runs,
               "complete": True}  # fmt: skip
@@ -226,6 +257,9 @@ def test_merge_refuses_runs_that_do_not_compare() -> None:
     base = _result([_run("lossless", 0, 2.0)])
     with pytest.raises(SystemExit, match=r"b\.json: steps is 30 but a\.json has 20"):
         merge_results([("a.json", base), ("b.json", _result([_run("fp16", 0, 2.1)], steps=30))])
+    other_text = _result([_run("fp16", 0, 2.1)], corpus="decade")
+    with pytest.raises(SystemExit, match=r"b\.json: corpus is 'decade' but a\.json has 'c0ffee'"):
+        merge_results([("a.json", base), ("b.json", other_text)])
     with pytest.raises(SystemExit, match=r"b\.json: 'lossless' seed 0 is also in a\.json"):
         merge_results([("a.json", base), ("b.json", base)])
     other_lr = _result([_run("fp16", 0, 2.1)], train={"seed": 0, "lr": 0.1})

@@ -295,6 +295,12 @@ def test_cuda_matches_cpu(codec: str, dtype: torch.dtype, shape: tuple[int, int]
         gap = (y_gpu.cpu().float() - y_cpu.float()).norm() / y_cpu.float().norm()
         assert float(gap) < 1e-2
         return
+    if codec == "topk":
+        # fp16 and bf16 hold many equal magnitudes, and which of a tie at the threshold is
+        # kept is not promised: the same number of values, of the same magnitudes, are.
+        kept_gpu = y_gpu.cpu().float().abs().flatten().sort().values
+        assert torch.equal(kept_gpu, y_cpu.float().abs().flatten().sort().values)
+        return
     assert torch.allclose(y_gpu.cpu().float(), y_cpu.float(), rtol=1e-2, atol=1e-2 * 50 / 127)
 
 
