@@ -226,8 +226,8 @@ class SimulatedPipeline:
         return decode_tensor(header, payload, device=self.device)
 
     def _count_headers(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
-        """Count one hop's MicrobatchHeader bytes: labels, and the first token ids if they
-        travel."""
+        """Count the MicrobatchHeader bytes of every hop: labels, and the first token ids if
+        they travel. The header is the same on each hop, so it is built once."""
         from swarmpipe.node.token_ids import encode_token_ids, first_tokens_of
         from swarmpipe.protos import stage_pb2
 
@@ -241,10 +241,11 @@ class SimulatedPipeline:
         header = stage_pb2.MicrobatchHeader(
             labels=encode_token_ids(labels, vocab), first_tokens=firsts
         )
-        self.wire["microbatch_header"] += header.ByteSize()
+        self.wire["microbatch_header"] += self.hops * header.ByteSize()
         if firsts:
-            self.wire["token_ids"] += stage_pb2.MicrobatchHeader(first_tokens=firsts).ByteSize()
-        self.hop_tokens += labels.numel()
+            ids = stage_pb2.MicrobatchHeader(first_tokens=firsts).ByteSize()
+            self.wire["token_ids"] += self.hops * ids
+        self.hop_tokens += self.hops * labels.numel()
 
     def microbatch(
         self, microbatch_id: str, tokens: torch.Tensor, labels: torch.Tensor
@@ -256,7 +257,7 @@ class SimulatedPipeline:
         for index, runtime in enumerate(self.runtimes[:-1]):
             out = runtime.forward(f"{microbatch_id}/{index}", microbatch_id, x, ids)
             x = self._cross(out, s.activation_codec, index, "activation")
-            self._count_headers(tokens, labels)
+        self._count_headers(tokens, labels)
         last = self.runtimes[-1].forward_last(microbatch_id, x, targets, ids)
         grad = last.grad_input
         for index in range(len(self.runtimes) - 2, -1, -1):
