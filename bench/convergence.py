@@ -112,37 +112,67 @@ def rounding_label(activation_codec: str, gradient_codec: str, roles: Sequence[s
     return ", stochastic rounding on " + " and ".join(f"{r}s" for r in stochastic)
 
 
+def centering_label(activation_codec: str, gradient_codec: str, roles: Sequence[str]) -> str:
+    """The suffix `, centered activations` (or gradients, or both) when
+    `pipeline.int8_centered=roles` centres a row's quantising codecs, else empty: part of the
+    row's name, like rounding."""
+    from swarmpipe.compression import get_codec
+
+    centred = [
+        role
+        for role, codec in (("activation", activation_codec), ("gradient", gradient_codec))
+        if get_codec(codec).rounds and role in roles
+    ]
+    return ", centered " + " and ".join(f"{r}s" for r in centred) if centred else ""
+
+
 def build_settings(
     kinds: Sequence[str],
     d_model: int,
     bottleneck: int,
     bottleneck_codec: str,
     stochastic_rounding: Sequence[str] = (),
+    *,
+    bottleneck_gradient_codec: str | None = None,
+    centered: Sequence[str] = (),
 ) -> tuple[list[BoundarySetting], list[str]]:
     """The rows `kinds` asks for, and a note for each one skipped (a codec not registered).
 
+    The bottleneck row sends its activations with `bottleneck_codec` and its gradients with
+    `bottleneck_gradient_codec` (the same codec when None); a row whose two differ is named
+    with both, e.g. `bottleneck-k8-int4-grad-int8`.
+
     A row of a quantising codec is named with how it rounds under `stochastic_rounding`
-    (the run's `pipeline.stochastic_rounding`), e.g. `int8, stochastic rounding`.
+    (the run's `pipeline.stochastic_rounding`), e.g. `int8, stochastic rounding`, and with the
+    roles `centered` (`pipeline.int8_centered`) centres, e.g. `int4, centered activations,
+    stochastic rounding`.
     """
     from swarmpipe.compression import CODECS_BY_NAME
 
-    if bottleneck_codec not in CODECS_BY_NAME and "bottleneck" in kinds:
-        raise SystemExit(f"--bottleneck-codec {bottleneck_codec!r} is not a registered codec")
+    gradient_codec = bottleneck_gradient_codec or bottleneck_codec
+    for flag, codec in (
+        ("--bottleneck-codec", bottleneck_codec),
+        ("--bottleneck-gradient-codec", gradient_codec),
+    ):
+        if codec not in CODECS_BY_NAME and "bottleneck" in kinds:
+            raise SystemExit(f"{flag} {codec!r} is not a registered codec")
     settings: list[BoundarySetting] = []
     notes: list[str] = []
     for kind in kinds:
         if kind not in SETTING_KINDS:
             raise SystemExit(f"unknown setting {kind!r}; choose from {', '.join(SETTING_KINDS)}")
         if kind == "bottleneck":
-            name = f"bottleneck-k{bottleneck}-{bottleneck_codec}" + rounding_label(
-                bottleneck_codec, bottleneck_codec, stochastic_rounding
-            )
+            name = f"bottleneck-k{bottleneck}-{bottleneck_codec}"
+            if gradient_codec != bottleneck_codec:
+                name += f"-grad-{gradient_codec}"
+            name += centering_label(bottleneck_codec, gradient_codec, centered)
+            name += rounding_label(bottleneck_codec, gradient_codec, stochastic_rounding)
             settings.append(
                 BoundarySetting(
                     kind=kind,
                     name=name,
                     activation_codec=bottleneck_codec,
-                    gradient_codec=bottleneck_codec,
+                    gradient_codec=gradient_codec,
                     bottleneck=bottleneck,
                 )
             )
@@ -159,7 +189,11 @@ def build_settings(
         elif kind not in CODECS_BY_NAME:
             notes.append(f"{kind}: skipped, no codec of that name is registered in this build")
         else:
-            name = kind + rounding_label(kind, kind, stochastic_rounding)
+            name = (
+                kind
+                + centering_label(kind, kind, centered)
+                + rounding_label(kind, kind, stochastic_rounding)
+            )
             settings.append(
                 BoundarySetting(kind=kind, name=name, activation_codec=kind, gradient_codec=kind)
             )
@@ -217,6 +251,7 @@ class SimulatedPipeline:
             block_size=o.block_size,
             rounding=o.rounding(codec, direction, tensor.device),
             channel_blocks=o.channel_blocks,
+            centered=direction in o.centered_blocks,
             topk_fraction=o.topk_fraction,
             rank=o.lowrank_rank,
             state=self._states[key],
@@ -545,6 +580,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bottleneck-codec", default="int8", help="codec the bottleneck row composes with"
     )
     parser.add_argument(
+        "--bottleneck-gradient-codec",
+        default=None,
+        help="codec of the bottleneck row's activation gradients (default: --bottleneck-codec); "
+        "the table's byte ratio counts activations, so the two directions may differ",
+    )
+    parser.add_argument(
         "--eval-every", type=int, default=500, help="held-out evaluation every N steps (0: end)"
     )
     parser.add_argument(
@@ -717,6 +758,8 @@ def serve(args: argparse.Namespace) -> int:
         args.bottleneck,
         args.bottleneck_codec,
         config.pipeline.stochastic_rounding,
+        bottleneck_gradient_codec=args.bottleneck_gradient_codec,
+        centered=config.pipeline.int8_centered,
     )
     if any(s.bottleneck for s in settings):
         load_config(None, [*args.set, f"model.bottleneck={args.bottleneck}"])  # validate k
@@ -791,6 +834,11 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         f"--settings {args.settings}",
         f"--bottleneck {args.bottleneck}",
         f"--bottleneck-codec {args.bottleneck_codec}",
+        *(
+            [f"--bottleneck-gradient-codec {args.bottleneck_gradient_codec}"]
+            if args.bottleneck_gradient_codec is not None
+            else []
+        ),
         f"--eval-every {args.eval_every}",
         f"--eval-samples {args.eval_samples}",
         f"--seeds {args.seeds}",

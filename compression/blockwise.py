@@ -16,10 +16,19 @@ Two layouts, named in the header:
   error drops from 0.027 to 0.007 at the same bytes. The sender uses it only where
   rows >= block_size (else per-channel scales would cost more than flat blocks).
 
+Centered blocks (`centered`): each block also sends its midpoint `m = (max + min) / 2`, and
+quantises `x - m` with `s = (max - min) / 2 / qmax`. A block whose values sit far from zero
+(a channel of the residual stream with a large mean, a learned bottleneck's outputs) then
+spends its codes on its spread instead of on its offset; the error bound is never worse than
+absmax's and the cost is one more fp32 per block. Measured on a trained k=8 bottleneck's
+outputs: int4's error fell from 0.60 to 0.16 of the standard deviation on the channel with the
+largest mean. Gradients, centred on zero already, gain nothing from it.
+
 Payload: the fp32 scales (flat: one per block in order; channel blocks: [ceil(rows /
-block_size), channels] row-major), then the codes in the tensor's element order as the
-subclass packs them. The codes are in element order in both layouts, so the layout costs no
-transpose: only the scales are indexed differently.
+block_size), channels] row-major), then, if centered, the fp32 midpoints in the same order,
+then the codes in the tensor's element order as the subclass packs them. The codes are in
+element order in both layouts, so the layout costs no transpose: only the scales are indexed
+differently.
 
 Known failure mode: a block holding inf or NaN decodes to all NaN. Integer codes cannot carry
 either, and NaN downstream is the honest signal that the step is broken.
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -98,7 +107,7 @@ class BlockwiseCodec(TensorCodec):
     def expected_payload_bytes(self, header: tensor_pb2.TensorHeader) -> int:
         n = numel(header.shape)
         scales = n_scales(header.shape, header.block_size, header.channel_blocks)
-        return 4 * scales + self._code_bytes(n)
+        return 4 * scales * (2 if header.centered else 1) + self._code_bytes(n)
 
     def _encode_with_header(
         self, flat: torch.Tensor, header: tensor_pb2.TensorHeader, rounding: Rounding
@@ -108,19 +117,29 @@ class BlockwiseCodec(TensorCodec):
             # Fewer rows than a block: flat blocks are smaller. Empty: nothing to lay out.
             header.channel_blocks = False
         rows, channels, block_size = tiling(shape, header.block_size, header.channel_blocks)
-        return self._encode_tiles(flat, rows, channels, block_size, rounding)
+        return self._encode_tiles(
+            flat, rows, channels, block_size, rounding, centered=header.centered
+        )
 
     def _encode_flat(self, flat: torch.Tensor, block_size: int, rounding: Rounding) -> torch.Tensor:
         return self._encode_tiles(flat, flat.numel(), 1, block_size, rounding)
 
     def _encode_tiles(
-        self, flat: torch.Tensor, rows: int, channels: int, block_size: int, rounding: Rounding
+        self,
+        flat: torch.Tensor,
+        rows: int,
+        channels: int,
+        block_size: int,
+        rounding: Rounding,
+        *,
+        centered: bool = False,
     ) -> torch.Tensor:
         n = flat.numel()
         nb = n_blocks(rows, block_size) * channels if n else 0
-        out = torch.empty(4 * nb + self._code_bytes(n), dtype=torch.uint8, device=flat.device)
+        head = 4 * nb * (2 if centered else 1)
+        out = torch.empty(head + self._code_bytes(n), dtype=torch.uint8, device=flat.device)
         scales = out[: 4 * nb].view(torch.float32)  # offset 0, so the fp32 view is aligned
-        codes = out[4 * nb :]
+        codes = out[head:]
         if n == 0:
             return out
 
@@ -129,7 +148,17 @@ class BlockwiseCodec(TensorCodec):
         # over fp16/bf16 are 5x slower than the copy) and then quantised in place.
         x = flat.float()
         owned = x is not flat
-        absmax = _block_absmax(x, block_size, channels)
+        mids = None
+        if centered:
+            high, low = _block_max_min(x, block_size, channels)
+            # Halved before adding or subtracting: max - min of finite fp32 can overflow.
+            high.mul_(0.5)
+            low.mul_(0.5)
+            mids = out[4 * nb : head].view(torch.float32)
+            torch.add(high, low, out=mids)
+            absmax = high.sub_(low)  # half the block's range: what is left after centring
+        else:
+            absmax = _block_absmax(x, block_size, channels)
         torch.div(absmax, qmax, out=scales)
         # Multiplying by the reciprocal is cheaper than dividing every element; an all-zero
         # block gets factor 0 (codes 0) rather than 0/0. For an inf or NaN block the factor
@@ -156,6 +185,9 @@ class BlockwiseCodec(TensorCodec):
             y = x[start:stop] if scratch is None else scratch[: stop - start]
             piece = x[start:stop]
             first = start // tile * channels
+            if mids is not None:
+                _per_block(torch.sub, piece, mids[first:], y, block_size, channels=channels)
+                piece = y
             if lift is not None:
                 _mul_per_block(piece, lift[first:], y, block_size, channels)
                 piece = y
@@ -181,13 +213,17 @@ class BlockwiseCodec(TensorCodec):
         nb = n_scales(header.shape, header.block_size, header.channel_blocks)
         _, channels, block_size = tiling(header.shape, header.block_size, header.channel_blocks)
         tile = block_size * channels
+        head = 4 * nb * (2 if header.centered else 1)
         scales = raw[: 4 * nb].view(torch.float32)
-        codes = self._load(raw[4 * nb :], n)
+        mids = raw[4 * nb : head].view(torch.float32) if header.centered else None
+        codes = self._load(raw[head:], n)
         if dtype == torch.float32:
             # Widening and then scaling in place beats a mixed int8 * fp32 multiply 2x on CPU;
             # the result is the working memory, so whole-tensor passes are fastest here.
             out = codes.to(torch.float32)
             _mul_per_block(out, scales, out, block_size, channels)
+            if mids is not None:
+                _per_block(torch.add, out, mids, out, block_size, channels=channels)
             return out
         out = torch.empty(n, dtype=dtype, device=raw.device)
         step = _piece_elements(n, tile, raw.device)
@@ -195,7 +231,10 @@ class BlockwiseCodec(TensorCodec):
         for start in range(0, n, step):
             stop = min(n, start + step)
             y = scratch[: stop - start].copy_(codes[start:stop])
-            _mul_per_block(y, scales[start // tile * channels :], y, block_size, channels)
+            first = start // tile * channels
+            _mul_per_block(y, scales[first:], y, block_size, channels)
+            if mids is not None:
+                _per_block(torch.add, y, mids[first:], y, block_size, channels=channels)
             out[start:stop].copy_(y)  # the one rounding to fp16/bf16
         return out
 
@@ -206,6 +245,23 @@ def _piece_elements(n: int, unit: int, device: torch.device) -> int:
     if device.type != "cpu":
         return max(n, 1)
     return min(max(n, 1), max(1, _CPU_PIECE_ELEMENTS // unit) * unit)
+
+
+def _block_max_min(x: torch.Tensor, bs: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, min) of each block of flat fp32 `x`, laid out as in `_block_absmax`."""
+    n = x.numel()
+    tile = bs * channels
+    full = n // tile * tile
+    highs, lows = [], []
+    if full:
+        tiles = x[:full].view(-1, bs, channels)
+        highs.append(tiles.amax(dim=1).view(-1))
+        lows.append(tiles.amin(dim=1).view(-1))
+    if full < n:
+        tail = x[full:].view(-1, channels)
+        highs.append(tail.amax(0))
+        lows.append(tail.amin(0))
+    return torch.cat(highs), torch.cat(lows)
 
 
 def _block_absmax(x: torch.Tensor, bs: int, channels: int) -> torch.Tensor:
@@ -233,28 +289,42 @@ def _block_absmax(x: torch.Tensor, bs: int, channels: int) -> torch.Tensor:
 def _mul_per_block(
     values: torch.Tensor, per_block: torch.Tensor, out: torch.Tensor, bs: int, channels: int
 ) -> None:
-    """`out = values * per_block[block of each element]` for a flat piece starting at a row
-    of blocks (`out` may be `values`): whole rows of blocks as one broadcast and short last
-    blocks on their own, so nothing is padded. Layout as in `_block_absmax`."""
+    """`out = values * per_block[block of each element]`; see `_per_block`."""
+    _per_block(torch.mul, values, per_block, out, bs, channels=channels)
+
+
+def _per_block(
+    op: Callable[..., torch.Tensor],
+    values: torch.Tensor,
+    per_block: torch.Tensor,
+    out: torch.Tensor,
+    bs: int,
+    *,
+    channels: int,
+) -> None:
+    """`out = op(values, per_block[block of each element])` (torch.mul, add or sub) for a flat
+    piece starting at a row of blocks (`out` may be `values`): whole rows of blocks as one
+    broadcast and short last blocks on their own, so nothing is padded. Layout as in
+    `_block_absmax`."""
     n = values.numel()
     tile = bs * channels
     whole = n // tile
     full = whole * tile
     if whole:
         if channels == 1:
-            torch.mul(
+            op(
                 values[:full].view(whole, bs),
                 per_block[:whole, None],
                 out=out[:full].view(whole, bs),
             )
         else:
-            torch.mul(
+            op(
                 values[:full].view(whole, bs, channels),
                 per_block[: whole * channels].view(whole, 1, channels),
                 out=out[:full].view(whole, bs, channels),
             )
     if full < n:
-        torch.mul(
+        op(
             values[full:].view(-1, channels),
             per_block[whole * channels : (whole + 1) * channels].view(1, channels),
             out=out[full:].view(-1, channels),

@@ -112,6 +112,8 @@ def describe(header: tensor_pb2.TensorHeader) -> str:
         codec_text += f" block {header.block_size}"
     if header.channel_blocks:
         codec_text += " down channels"
+    if header.centered:
+        codec_text += " centered"
     if header.kept:
         codec_text += f" keeping {header.kept}"
     if header.rank:
@@ -155,6 +157,7 @@ class TensorCodec(abc.ABC):
         dtype: torch.dtype,
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        centered: bool = False,
         topk_fraction: float = DEFAULT_TOPK_FRACTION,
         rank: int = DEFAULT_LOWRANK_RANK,
     ) -> int:
@@ -165,6 +168,7 @@ class TensorCodec(abc.ABC):
             shape=shape,
             codec=self.codec_id,
             block_size=block_size if self.blockwise else 0,
+            centered=centered and self.blockwise,
         )
         self._plan_header(header, topk_fraction=topk_fraction, rank=rank)
         return self.expected_payload_bytes(header)
@@ -218,6 +222,7 @@ class TensorCodec(abc.ABC):
         block_size: int = DEFAULT_BLOCK_SIZE,
         rounding: Rounding = NEAREST,
         channel_blocks: bool = False,
+        centered: bool = False,
         topk_fraction: float = DEFAULT_TOPK_FRACTION,
         rank: int = DEFAULT_LOWRANK_RANK,
         state: EncoderState | None = None,
@@ -225,8 +230,9 @@ class TensorCodec(abc.ABC):
         """The header (crc32 left 0: the wire sets it) and payload bytes of `tensor`.
 
         Works on any device; the arithmetic runs where the tensor is and only the payload is
-        copied to host memory. `block_size` and `channel_blocks` (blocks down the rows of
-        each channel, see blockwise.py) are ignored by codecs that are not blockwise,
+        copied to host memory. `block_size`, `channel_blocks` (blocks down the rows of each
+        channel) and `centered` (each block sends its midpoint; see blockwise.py) are
+        ignored by codecs that are not blockwise,
         `topk_fraction` by all but top-k, `rank` by all but low-rank, and `state` by codecs
         that are not `stateful`; stochastic `rounding` is refused by codecs that do not
         quantise.
@@ -251,6 +257,7 @@ class TensorCodec(abc.ABC):
             block_size=block_size if self.blockwise else 0,
             stochastic_rounding=rounding.stochastic,
             channel_blocks=channel_blocks and self.blockwise,
+            centered=centered and self.blockwise,
         )
         # reshape copies only when the tensor is not contiguous; detach lets .numpy() work on
         # tensors that require grad without copying them.
@@ -335,6 +342,11 @@ class TensorCodec(abc.ABC):
         if not self.blockwise and header.channel_blocks:
             raise CodecError(
                 f"tensor header has channel blocks but the codec has no blocks ({describe(header)})"
+            )
+        if not self.blockwise and header.centered:
+            raise CodecError(
+                "tensor header has centered blocks but the codec has no blocks "
+                f"({describe(header)})"
             )
         if not self.blockwise and header.block_size:
             raise CodecError(

@@ -59,11 +59,17 @@ def wire_bytes(
     block_size: int,
     topk_fraction: float,
     rank: int,
+    centered: bool = False,
 ) -> list[int]:
     """Payload bytes each codec would send for a tensor of this shape, without encoding it."""
     return [
         get_codec(codec_id).planned_payload_bytes(
-            shape, dtype, block_size=block_size, topk_fraction=topk_fraction, rank=rank
+            shape,
+            dtype,
+            block_size=block_size,
+            centered=centered,
+            topk_fraction=topk_fraction,
+            rank=rank,
         )
         for codec_id in codec_ids
     ]

@@ -51,6 +51,7 @@ def encode_tensor(
     rounding: Rounding = NEAREST,
     entropy: int | str = "none",
     channel_blocks: bool = False,
+    centered: bool = False,
     topk_fraction: float = DEFAULT_TOPK_FRACTION,
     rank: int = DEFAULT_LOWRANK_RANK,
     state: EncoderState | None = None,
@@ -59,7 +60,8 @@ def encode_tensor(
 
     `codec` is a tensor_pb2.Codec value or a config name ("lossless", "fp16", "bf16", "int8",
     "int4", "topk", "lowrank"); `block_size` and `channel_blocks` (blocks down each channel of
-    the last dimension rather than along the flat tensor: far better with outlier channels)
+    the last dimension rather than along the flat tensor: far better with outlier channels) and
+    `centered` (each block also sends its midpoint: far better for values offset from zero)
     matter only to blockwise codecs, and stochastic `rounding` only to int8 and int4 (other
     codecs refuse it). `topk_fraction` is the share of
     entries top-k keeps and `rank` the factor width of low-rank; `state` (an EncoderState the
@@ -73,6 +75,7 @@ def encode_tensor(
         block_size=block_size,
         rounding=rounding,
         channel_blocks=channel_blocks,
+        centered=centered,
         topk_fraction=topk_fraction,
         rank=rank,
         state=state,

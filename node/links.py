@@ -218,6 +218,7 @@ class Links:
                 block_size=o.block_size,
                 topk_fraction=o.topk_fraction,
                 rank=o.lowrank_rank,
+                centered=direction in o.centered_blocks,
             )
             codec = chooser.update(sizes, bytes_per_second=bandwidth, budget_seconds=budget)
         if codec != state.codec:

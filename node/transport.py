@@ -62,6 +62,8 @@ class EncodeOptions:
     stochastic_rounding: tuple[str, ...] = DEFAULT_STOCHASTIC_ROUNDING
     """Roles ("activation", "gradient", "reduce") whose int8/int4 encodings round
     stochastically."""
+    centered_blocks: tuple[str, ...] = ()
+    """Roles whose int8/int4 blocks each send their midpoint (compression/blockwise.py)."""
 
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig) -> EncodeOptions:
@@ -73,6 +75,7 @@ class EncodeOptions:
             auto_activation=pipeline.auto_activation_codecs,
             auto_gradient=pipeline.auto_gradient_codecs,
             stochastic_rounding=pipeline.stochastic_rounding,
+            centered_blocks=pipeline.int8_centered,
         )
 
     def rounding(self, codec: int | str, role: str, device: torch.device) -> Rounding:
@@ -106,6 +109,7 @@ async def encode(
             block_size=options.block_size,
             rounding=options.rounding(codec, role, tensor.device),
             channel_blocks=options.channel_blocks,
+            centered=role in options.centered_blocks,
             topk_fraction=options.topk_fraction,
             rank=options.lowrank_rank,
             state=state,

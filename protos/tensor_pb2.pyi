@@ -125,6 +125,7 @@ class TensorHeader(_message.Message):
     KEPT_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     CHANNEL_BLOCKS_FIELD_NUMBER: _builtins.int
+    CENTERED_FIELD_NUMBER: _builtins.int
     dtype: Global___DType.ValueType
     """dtype of the tensor after decoding"""
     codec: Global___Codec.ValueType
@@ -145,6 +146,8 @@ class TensorHeader(_message.Message):
     """low-rank only: columns of each factor; 0 = sent dense"""
     channel_blocks: _builtins.bool
     """int8/int4: blocks run down the rows of one channel (last dim)"""
+    centered: _builtins.bool
+    """int8/int4: each block also sends its midpoint (fp32), and its"""
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -162,10 +165,11 @@ class TensorHeader(_message.Message):
         kept: _builtins.int = ...,
         rank: _builtins.int = ...,
         channel_blocks: _builtins.bool = ...,
+        centered: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "channel_blocks", b"channel_blocks", "codec", b"codec", "crc32", b"crc32", "dtype", b"dtype", "entropy", b"entropy", "kept", b"kept", "payload_bytes", b"payload_bytes", "rank", b"rank", "raw_payload_bytes", b"raw_payload_bytes", "shape", b"shape", "stochastic_rounding", b"stochastic_rounding"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "centered", b"centered", "channel_blocks", b"channel_blocks", "codec", b"codec", "crc32", b"crc32", "dtype", b"dtype", "entropy", b"entropy", "kept", b"kept", "payload_bytes", b"payload_bytes", "rank", b"rank", "raw_payload_bytes", b"raw_payload_bytes", "shape", b"shape", "stochastic_rounding", b"stochastic_rounding"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

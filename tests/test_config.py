@@ -43,6 +43,10 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
             ['pipeline.stochastic_rounding=["gradient", "weights"]'],
             "may name only activation, gradient, reduce ('weights' unknown)",
         ),
+        (
+            ['pipeline.int8_centered=["weights"]'],
+            "pipeline.int8_centered=['weights'] may name only activation, gradient, reduce",
+        ),
         (["train.microbatch=64", "train.global_batch=8"], "exceeds"),
         (["pipeline.stages=99"], "exceeds the model"),
         (["steps"], "must look like section.key=value"),

@@ -153,6 +153,32 @@ def test_rows_are_named_with_how_their_codecs_round() -> None:
     assert rounding_label("lossless", "fp16", ["activation", "gradient"]) == ""
 
 
+def test_rows_are_named_with_the_roles_their_codecs_centre() -> None:
+    kinds = ["lossless", "int4", "bottleneck"]
+    rows, _ = build_settings(kinds, 32, 8, "int4", ["gradient"], centered=["activation"])
+    assert [r.name for r in rows] == ["lossless",
+        "int4, centered activations, stochastic rounding on gradients",
+        "bottleneck-k8-int4, centered activations, stochastic rounding on gradients"]  # fmt: skip
+    both, _ = build_settings(["int8"], 32, 8, "int8", [], centered=["activation", "gradient"])
+    assert both[0].name == "int8, centered activations and gradients, nearest"
+
+
+def test_a_bottleneck_may_send_its_gradients_with_another_codec() -> None:
+    (row,), _ = build_settings(
+        ["bottleneck"], 32, 8, "int4", ["activation", "gradient"], bottleneck_gradient_codec="int8"
+    )
+    assert (row.activation_codec, row.gradient_codec) == ("int4", "int8")
+    assert row.name == "bottleneck-k8-int4-grad-int8, stochastic rounding"
+    (row,), _ = build_settings(
+        ["bottleneck"], 32, 8, "int4", ["activation"], bottleneck_gradient_codec="lossless"
+    )
+    assert row.name == "bottleneck-k8-int4-grad-lossless, stochastic rounding"
+    (same,), _ = build_settings(["bottleneck"], 32, 8, "int4", bottleneck_gradient_codec="int4")
+    assert same.name == "bottleneck-k8-int4, nearest"  # naming the same codec twice is the default
+    with pytest.raises(SystemExit, match="--bottleneck-gradient-codec 'int3'"):
+        build_settings(["bottleneck"], 32, 8, "int4", bottleneck_gradient_codec="int3")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_command_writes_json_and_a_table_with_parallel_jobs(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from swarmpipe.compression import (
     get_codec,
     registry,
 )
+from swarmpipe.compression.codec import describe
 from swarmpipe.errors import CodecError
 from swarmpipe.protos import tensor_pb2
 
@@ -279,11 +280,19 @@ def test_unknown_codecs_are_codec_errors(bad: int | str) -> None:
 @pytest.mark.parametrize("shape", [(5, 1000), (600, 300)])
 def test_cuda_matches_cpu(codec: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:
     x = (torch.randn(shape, generator=_gen(8)) * 50).to(dtype)
-    # (600, 300) uses channel blocks, and low-rank factors rather than dense.
-    options: dict[str, Any] = {"channel_blocks": True, "rank": 2}
+    # (600, 300) uses channel blocks, centred ones, and low-rank factors rather than dense.
+    options: dict[str, Any] = {"channel_blocks": True, "rank": 2, "centered": shape[0] == 600}
     cpu_header, cpu_payload = encode_tensor(x, codec, **options)
     gpu_header, gpu_payload = encode_tensor(x.cuda().t().contiguous().t(), codec, **options)
-    fields = ("dtype", "shape", "codec", "payload_bytes", "block_size", "channel_blocks")
+    fields = (
+        "dtype",
+        "shape",
+        "codec",
+        "payload_bytes",
+        "block_size",
+        "channel_blocks",
+        "centered",
+    )
     for field in (*fields, "kept", "rank"):
         assert getattr(gpu_header, field) == getattr(cpu_header, field)
     y_gpu = decode_tensor(gpu_header, gpu_payload, device="cuda")
@@ -404,6 +413,90 @@ def test_channel_blocks_on_a_codec_without_blocks_are_refused() -> None:
     header.channel_blocks = True
     with pytest.raises(CodecError, match="channel blocks but the codec has no blocks"):
         decode_tensor(header, payload)
+
+
+def test_centered_payload_is_scales_then_midpoints_then_codes() -> None:
+    x = torch.tensor([10.0, 12.0, 14.0, -1.0, 1.0, 0.0])
+    header, payload = encode_tensor(x, "int8", block_size=3, centered=True)
+    assert header.centered and header.payload_bytes == 4 * 2 + 4 * 2 + 6
+    scales = torch.frombuffer(bytearray(payload[:8]), dtype=torch.float32)
+    assert torch.equal(scales, torch.tensor([2.0, 1.0]) / 127)  # half of each block's range
+    mids = torch.frombuffer(bytearray(payload[8:16]), dtype=torch.float32)
+    assert mids.tolist() == [12.0, 0.0]
+    codes = torch.frombuffer(bytearray(payload[16:]), dtype=torch.int8)
+    assert codes.tolist() == [-127, 0, 127, -127, 127, 0]
+    assert torch.equal(decode_tensor(header, payload), x)
+    assert "centered" in describe(header)
+
+
+@pytest.mark.parametrize("codec", sorted(QMAX))
+@pytest.mark.parametrize("channel_blocks", [False, True])
+def test_centered_blocks_spend_their_codes_on_the_spread_not_the_offset(
+    codec: str, channel_blocks: bool
+) -> None:
+    # Channels like a bottleneck's outputs: a spread of 1 around means up to 30. Flat blocks
+    # run along the tensor, so there each block needs one offset of its own: channels first.
+    offsets = torch.tensor([30.0, -8.0, 30.0, 3.0])
+    x = torch.randn(512, 4, generator=_gen(13)) + offsets
+    if not channel_blocks:
+        x = x.t().contiguous()
+
+    def error(centered: bool) -> float:
+        y = decode_tensor(
+            *encode_tensor(x, codec, channel_blocks=channel_blocks, centered=centered)
+        )
+        spread = x - (x.mean(0) if channel_blocks else x.mean(1, keepdim=True))
+        return float((y - x).norm() / spread.norm())
+
+    assert error(True) < error(False) / 3
+    # A block centred on zero keeps its error; every block costs one fp32 more.
+    zero_mean = torch.randn(512, 4, generator=_gen(15))
+    plain, centred = encode_tensor(zero_mean, codec), encode_tensor(zero_mean, codec, centered=True)
+    scales = blockwise.n_scales([512, 4], 256, False)
+    assert len(centred[1]) == len(plain[1]) + 4 * scales
+    gap = (decode_tensor(*centred) - zero_mean).norm() / (decode_tensor(*plain) - zero_mean).norm()
+    assert float(gap) < 1.1
+
+
+@pytest.mark.parametrize("codec", sorted(QMAX))
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_centered_pieces_give_the_same_bytes_as_one_pass(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, codec: str
+) -> None:
+    x = (torch.randn(600, 7, generator=_gen(14)) * 30 + 100).to(dtype)
+    for channel_blocks in (False, True):
+        options: dict[str, Any] = {"block_size": 16, "channel_blocks": channel_blocks}
+        header, payload = encode_tensor(x, codec, centered=True, **options)
+        y = decode_tensor(header, payload)
+        with monkeypatch.context() as patch:
+            patch.setattr(blockwise, "_CPU_PIECE_ELEMENTS", 3 * 16 * 7 + 1)
+            assert encode_tensor(x, codec, centered=True, **options) == (header, payload)
+            assert torch.equal(decode_tensor(header, payload), y)
+
+
+def test_a_decoder_that_ignores_centering_refuses_the_payload() -> None:
+    # An older receiver has no `centered` field: the midpoints make the payload the wrong size.
+    header, payload = encode_tensor(torch.randn(300) + 5, "int4", centered=True)
+    header.centered = False
+    with pytest.raises(CodecError, match=r"payload is \d+ bytes but"):
+        get_codec("int4").decode(header, payload)
+
+
+def test_centered_blocks_on_a_codec_without_blocks_are_refused() -> None:
+    header, payload = encode_tensor(torch.ones(4, 4), "fp16", centered=True)
+    assert not header.centered  # ignored by codecs without blocks
+    header.centered = True
+    with pytest.raises(CodecError, match="centered blocks but the codec has no blocks"):
+        get_codec("fp16").decode(header, payload)
+
+
+def test_centered_blocks_of_extreme_values_stay_finite_or_nan_as_documented() -> None:
+    # max - min of finite fp32 can overflow; the midpoint and half-range are halved first.
+    x = torch.tensor([3e38, -3e38, 1.0, 5.0, 5.0, 5.0, float("inf"), 0.0, 1.0])
+    y = decode_tensor(*encode_tensor(x, "int8", block_size=3, centered=True))
+    assert torch.allclose(y[:2], x[:2], rtol=1e-2) and bool(y[:6].isfinite().all())
+    assert torch.equal(y[3:6], x[3:6])  # a constant block comes back exactly
+    assert bool(y[6:].isnan().all())  # a block with inf decodes to NaN, as without centring
 
 
 def test_tiny_blocks_keep_their_precision() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -58,16 +60,18 @@ def test_candidates_run_from_least_to_most_lossy() -> None:
         ((0, 4), 0.01, 8),
     ],
 )
+@pytest.mark.parametrize("centered", [False, True])
 def test_wire_bytes_match_what_the_codecs_send(
-    shape: tuple[int, ...], fraction: float, rank: int, dtype: torch.dtype
+    shape: tuple[int, ...], fraction: float, rank: int, dtype: torch.dtype, centered: bool
 ) -> None:
     tensor = torch.randn(shape).to(dtype)
     codecs = candidates(tuple(CODECS_BY_NAME), dtype)
-    sizes = wire_bytes(codecs, shape, dtype, block_size=BLOCK, topk_fraction=fraction, rank=rank)
+    options: dict[str, Any] = {
+        "block_size": BLOCK, "topk_fraction": fraction, "rank": rank, "centered": centered
+    }  # fmt: skip
+    sizes = wire_bytes(codecs, shape, dtype, **options)
     for codec, size in zip(codecs, sizes, strict=True):
-        header, payload = encode_tensor(
-            tensor, codec, block_size=BLOCK, topk_fraction=fraction, rank=rank
-        )
+        header, payload = encode_tensor(tensor, codec, **options)
         assert size == len(payload) == header.payload_bytes, CODECS_BY_NAME_BY_ID[codec]
 
 

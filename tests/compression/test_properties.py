@@ -68,7 +68,13 @@ def block_ids(shape: torch.Size, block_size: int, channel_blocks: bool) -> torch
 
 
 def _blockwise_check(
-    x: torch.Tensor, y: torch.Tensor, block_size: int, qmax: int, channel_blocks: bool
+    x: torch.Tensor,
+    y: torch.Tensor,
+    block_size: int,
+    qmax: int,
+    channel_blocks: bool,
+    *,
+    centered: bool = False,
 ) -> None:
     if not x.numel():
         return
@@ -83,6 +89,17 @@ def _blockwise_check(
     # overflow to inf on decoding. No activation or gradient gets there.
     checked = ~broken[ids] & (absmax[ids] < FP32_MAX * (1 - 2.0**-20))
     a = absmax[ids][checked]
+    if centered:
+        # Half a step of half the block's range, plus fp32 roundings of x - mid and
+        # code * scale + mid, each within an ulp of the block's absmax.
+        high = torch.full((blocks,), -math.inf).scatter_reduce_(0, ids, xf, "amax")
+        low = torch.full((blocks,), math.inf).scatter_reduce_(0, ids, xf, "amin")
+        half = (high[ids][checked] / 2 - low[ids][checked] / 2).double()
+        bound = half / qmax / 2 * (1 + 1e-4) + a * (UNIT_ROUNDOFF[x.dtype] + 2.0**-21)
+        bound = bound + FP32_TINY
+        gap = (yf[checked].double() - xf[checked].double()).abs()
+        assert bool((gap <= bound).all())
+        return
     bound = a / qmax / 2 * (1 + 1e-4) + a * UNIT_ROUNDOFF[x.dtype] + FP32_TINY
     assert bool(((yf[checked] - xf[checked]).abs() <= bound).all())
 
@@ -144,6 +161,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
         {
             "block_size": st.sampled_from([1, 3, 64, 256]),
             "channel_blocks": st.booleans(),
+            "centered": st.booleans(),
             "topk_fraction": st.sampled_from([1e-3, 0.05, 0.5, 1.0]),
             "rank": st.sampled_from([1, 2, 8]),
         }
@@ -161,7 +179,14 @@ def test_every_codec_round_trips_within_its_bound(
     if codec == "lossless":
         assert torch.equal(_bits(y), _bits(x.contiguous()))
     elif codec in QMAX:
-        _blockwise_check(x, y, options["block_size"], QMAX[codec], header.channel_blocks)
+        _blockwise_check(
+            x,
+            y,
+            options["block_size"],
+            QMAX[codec],
+            header.channel_blocks,
+            centered=header.centered,
+        )
     elif codec == "topk":
         _topk_check(x, y, options["topk_fraction"])
     elif codec == "lowrank":

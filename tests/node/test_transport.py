@@ -61,3 +61,21 @@ def test_stochastic_rounding_leaves_the_default_generator_alone() -> None:
     torch.manual_seed(7)
     _mean_of_encodings(options, "gradient", INT8, 3)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_roles_named_in_the_config_send_centered_blocks() -> None:
+    config = load_config(None, ['pipeline.int8_centered=["activation"]'])
+    options = EncodeOptions.from_pipeline(config.pipeline)
+    assert options.centered_blocks == ("activation",)
+    tensor = torch.randn(64, 8, generator=torch.Generator().manual_seed(3)) + 40.0
+
+    async def send(role: str) -> tuple[bool, float]:
+        encoded = await encode(tensor, INT8, options, role=role)
+        decoded = decode_tensor(encoded.header, b"".join(encoded.chunks))
+        return encoded.header.centered, float((decoded - tensor).abs().max())
+
+    centred, centred_error = asyncio.run(send("activation"))
+    plain, plain_error = asyncio.run(send("gradient"))
+    assert centred and not plain
+    assert centred_error < plain_error / 4
+    assert not load_config().pipeline.int8_centered  # off unless a run asks for it
