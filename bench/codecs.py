@@ -111,13 +111,16 @@ class Contender:
     wire_bytes: Callable[[Any], int]
 
 
-def ours(codec: str, args: argparse.Namespace, *, channel_blocks: bool = True) -> Contender:
+def ours(
+    codec: str, args: argparse.Namespace, *, channel_blocks: bool = True, centered: bool = False
+) -> Contender:
     def encode(x: torch.Tensor) -> Any:
         return encode_tensor(
             x,
             codec,
             block_size=args.block_size,
             channel_blocks=channel_blocks,
+            centered=centered,
             topk_fraction=args.topk_fraction,
             rank=args.rank,
         )
@@ -204,6 +207,7 @@ def serve(args: argparse.Namespace) -> int:
     for codec in codecs:
         if get_codec(codec).blockwise:
             mine[f"{codec}_flat"] = ours(codec, args, channel_blocks=False)
+            mine[f"{codec}_centered"] = ours(codec, args, centered=True)
     contenders: dict[str, Contender] = {f"ours {n}": c for n, c in mine.items()}
     contenders.update({f"hivemind {n}": c for n, c in theirs.items()})
     result: dict[str, Any] = {

@@ -27,12 +27,16 @@ def test_codec_bench_prints_figures_for_every_tensor(tmp_path: Path) -> None:
     tensors = result["tensors"]
     assert set(tensors) == {"activation", "gradient", "activation_outliers", "gradient_outliers"}
     for name, entry in tensors.items():
-        assert set(entry["ours"]) == {"int8", "int8_flat", "lowrank"}
+        assert set(entry["ours"]) == {"int8", "int8_flat", "int8_centered", "lowrank"}
         int8 = entry["ours"]["int8"]
         # 1 byte a code plus one fp32 scale per 256: fp32 / (1 + 4/256).
         assert int8["ratio"] == pytest.approx(4 / (1 + 4 / 256))
         assert int8["encode_mb_s"] > 0 and int8["decode_mb_s"] > 0
         assert 0 < int8["relative_error"] < 0.01, name
         assert entry["ours"]["lowrank"]["ratio"] > 100
+        # One fp32 midpoint more per block, and never more error on these zero-mean tensors.
+        centered = entry["ours"]["int8_centered"]
+        assert centered["ratio"] == pytest.approx(4 / (1 + 8 / 256))
+        assert centered["relative_error"] <= int8["relative_error"] * 1.05, name
     outliers = tensors["activation_outliers"]["ours"]
     assert outliers["int8"]["relative_error"] < 0.5 * outliers["int8_flat"]["relative_error"]

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from swarmpipe.compression import encode_tensor
 from swarmpipe.config import load_config
 from swarmpipe.model.reference import train_single_process
 
@@ -131,6 +133,40 @@ def test_bottleneck_pipeline_matches_single_process_and_sends_k_wide_activations
     for direction in ("activation", "gradient"):
         sent = sum(link["bytes"] for link in report["links"] if link["direction"] == direction)
         assert sent == c["committed"] * 2 * context * k * 4, direction
+
+
+def test_bottleneck_with_centered_int4_activations_trains_through_real_nodes(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    # The bottleneck's recommended codec settings reach the nodes' encoders: int4 activations
+    # in centred blocks (each also sends its midpoint), rounded to nearest; int4 gradients
+    # rounded stochastically, not centred.
+    k, steps, context, microbatch = 4, 8, 32, 4
+    report = run_testnet(
+        tmp_path,
+        tiny,
+        steps,
+        f"model.bottleneck={k}",
+        "pipeline.activation_codec=int4",
+        "pipeline.gradient_codec=int4",
+        'pipeline.int8_centered=["activation"]',
+        'pipeline.stochastic_rounding=["gradient"]',
+    )
+    losses = [s["loss"] for s in report["steps"]]
+    assert len(losses) == steps and losses[-1] < 0.95 * losses[0], losses
+    c = report["counters"]
+    assert c["lost"] == 0 and c["committed"] == steps * 16
+    shape = (microbatch, context, k)
+    sizes = {
+        role: len(
+            encode_tensor(torch.zeros(shape), "int4", channel_blocks=True, centered=centred)[1]
+        )
+        for role, centred in (("activation", True), ("gradient", False))
+    }
+    assert sizes["activation"] > sizes["gradient"]  # the midpoints
+    for direction, size in sizes.items():
+        sent = sum(link["bytes"] for link in report["links"] if link["direction"] == direction)
+        assert sent == c["committed"] // microbatch * 2 * size, direction
 
 
 def test_lowrank_activations_and_topk_gradients_train_end_to_end(
