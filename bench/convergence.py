@@ -126,6 +126,13 @@ def centering_label(activation_codec: str, gradient_codec: str, roles: Sequence[
     return ", centered " + " and ".join(f"{r}s" for r in centred) if centred else ""
 
 
+def entropy_label(roles: Sequence[str]) -> str:
+    """The suffix `, zstd activations` (or gradients, or both) when `pipeline.zstd=roles`
+    passes a row's hops through the lossless zstd stage: training is the same, the bytes not."""
+    named = [role for role in ("activation", "gradient") if role in roles]
+    return ", zstd " + " and ".join(f"{r}s" for r in named) if named else ""
+
+
 def build_settings(
     kinds: Sequence[str],
     d_model: int,
@@ -135,6 +142,7 @@ def build_settings(
     *,
     bottleneck_gradient_codec: str | None = None,
     centered: Sequence[str] = (),
+    zstd: Sequence[str] = (),
 ) -> tuple[list[BoundarySetting], list[str]]:
     """The rows `kinds` asks for, and a note for each one skipped (a codec not registered).
 
@@ -145,7 +153,8 @@ def build_settings(
     A row of a quantising codec is named with how it rounds under `stochastic_rounding`
     (the run's `pipeline.stochastic_rounding`), e.g. `int8, stochastic rounding`, and with the
     roles `centered` (`pipeline.int8_centered`) centres, e.g. `int4, centered activations,
-    stochastic rounding`.
+    stochastic rounding`, and with the roles `zstd` (`pipeline.zstd`) compresses losslessly,
+    e.g. `int4, zstd activations`.
     """
     from swarmpipe.compression import CODECS_BY_NAME
 
@@ -166,6 +175,7 @@ def build_settings(
             if gradient_codec != bottleneck_codec:
                 name += f"-grad-{gradient_codec}"
             name += centering_label(bottleneck_codec, gradient_codec, centered)
+            name += entropy_label(zstd)
             name += rounding_label(bottleneck_codec, gradient_codec, stochastic_rounding)
             settings.append(
                 BoundarySetting(
@@ -180,7 +190,7 @@ def build_settings(
             settings.append(
                 BoundarySetting(
                     kind=kind,
-                    name=f"twin-k{d_model}-lossless",
+                    name=f"twin-k{d_model}-lossless" + entropy_label(zstd),
                     activation_codec="lossless",
                     gradient_codec="lossless",
                     bottleneck=d_model,
@@ -192,6 +202,7 @@ def build_settings(
             name = (
                 kind
                 + centering_label(kind, kind, centered)
+                + entropy_label(zstd)
                 + rounding_label(kind, kind, stochastic_rounding)
             )
             settings.append(
@@ -252,6 +263,7 @@ class SimulatedPipeline:
             rounding=o.rounding(codec, direction, tensor.device),
             channel_blocks=o.channel_blocks,
             centered=direction in o.centered_blocks,
+            entropy=o.entropy(direction),
             topk_fraction=o.topk_fraction,
             rank=o.lowrank_rank,
             state=self._states[key],
@@ -760,6 +772,7 @@ def serve(args: argparse.Namespace) -> int:
         config.pipeline.stochastic_rounding,
         bottleneck_gradient_codec=args.bottleneck_gradient_codec,
         centered=config.pipeline.int8_centered,
+        zstd=config.pipeline.zstd,
     )
     if any(s.bottleneck for s in settings):
         load_config(None, [*args.set, f"model.bottleneck={args.bottleneck}"])  # validate k

@@ -64,6 +64,8 @@ class EncodeOptions:
     stochastically."""
     centered_blocks: tuple[str, ...] = ()
     """Roles whose int8/int4 blocks each send their midpoint (compression/blockwise.py)."""
+    zstd: tuple[str, ...] = ()
+    """Roles whose payloads also pass through the zstd stage (compression/entropy.py)."""
 
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig) -> EncodeOptions:
@@ -76,7 +78,12 @@ class EncodeOptions:
             auto_gradient=pipeline.auto_gradient_codecs,
             stochastic_rounding=pipeline.stochastic_rounding,
             centered_blocks=pipeline.int8_centered,
+            zstd=pipeline.zstd,
         )
+
+    def entropy(self, role: str) -> str:
+        """The entropy stage a tensor of `role` passes through: "zstd" or "none"."""
+        return "zstd" if role in self.zstd else "none"
 
     def rounding(self, codec: int | str, role: str, device: torch.device) -> Rounding:
         """How `codec` rounds a tensor of `role` on `device`: stochastically where the run
@@ -110,6 +117,7 @@ async def encode(
             rounding=options.rounding(codec, role, tensor.device),
             channel_blocks=options.channel_blocks,
             centered=role in options.centered_blocks,
+            entropy=options.entropy(role),
             topk_fraction=options.topk_fraction,
             rank=options.lowrank_rank,
             state=state,

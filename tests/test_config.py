@@ -47,6 +47,10 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
             ['pipeline.int8_centered=["weights"]'],
             "pipeline.int8_centered=['weights'] may name only activation, gradient, reduce",
         ),
+        (
+            ['pipeline.zstd=["activations"]'],
+            "pipeline.zstd=['activations'] may name only activation, gradient, reduce",
+        ),
         (["train.microbatch=64", "train.global_batch=8"], "exceeds"),
         (["pipeline.stages=99"], "exceeds the model"),
         (["steps"], "must look like section.key=value"),

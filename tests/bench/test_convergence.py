@@ -163,6 +163,16 @@ def test_rows_are_named_with_the_roles_their_codecs_centre() -> None:
     assert both[0].name == "int8, centered activations and gradients, nearest"
 
 
+def test_rows_are_named_with_the_roles_zstd_compresses() -> None:
+    kinds = ["lossless", "bottleneck", "twin"]
+    rows, _ = build_settings(kinds, 32, 8, "int4", ["gradient"], zstd=["activation"])
+    assert [r.name for r in rows] == ["lossless, zstd activations",
+        "bottleneck-k8-int4, zstd activations, stochastic rounding on gradients",
+        "twin-k32-lossless, zstd activations"]  # fmt: skip
+    (plain,), _ = build_settings(["int8"], 32, 8, "int8", [], zstd=[])
+    assert plain.name == "int8, nearest"
+
+
 def test_a_bottleneck_may_send_its_gradients_with_another_codec() -> None:
     (row,), _ = build_settings(
         ["bottleneck"], 32, 8, "int4", ["activation", "gradient"], bottleneck_gradient_codec="int8"

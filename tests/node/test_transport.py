@@ -79,3 +79,24 @@ def test_roles_named_in_the_config_send_centered_blocks() -> None:
     assert centred and not plain
     assert centred_error < plain_error / 4
     assert not load_config().pipeline.int8_centered  # off unless a run asks for it
+
+
+def test_roles_named_in_the_config_pass_through_zstd_and_decode_exactly() -> None:
+    config = load_config(None, ['pipeline.zstd=["activation"]', "pipeline.stochastic_rounding=[]"])
+    options = EncodeOptions.from_pipeline(config.pipeline)
+    assert options.zstd == ("activation",)
+    # A quarter of the entries are zero: int4 codes with room for an entropy stage.
+    tensor = torch.randn(512, 8, generator=torch.Generator().manual_seed(5))
+    tensor[::4] = 0.0
+    INT4 = tensor_pb2.CODEC_BLOCKWISE_INT4
+
+    async def send(role: str) -> tuple[tensor_pb2.TensorHeader, torch.Tensor]:
+        encoded = await encode(tensor, INT4, options, role=role)
+        return encoded.header, decode_tensor(encoded.header, b"".join(encoded.chunks))
+
+    zstd, zstd_decoded = asyncio.run(send("activation"))
+    plain, plain_decoded = asyncio.run(send("gradient"))
+    assert zstd.entropy == tensor_pb2.ENTROPY_ZSTD and plain.entropy == tensor_pb2.ENTROPY_NONE
+    assert zstd.payload_bytes < plain.payload_bytes
+    assert torch.equal(zstd_decoded, plain_decoded)  # lossless: the same codes, fewer bytes
+    assert not load_config().pipeline.zstd  # off unless a run asks for it
