@@ -40,6 +40,11 @@ _SEED = 0x10F0
 """Seeds the random start, so the same tensor always gives the same bytes."""
 
 
+_TINY_SCALE = 2.0**-100
+"""Matrices with a smaller absmax are lifted by `_LIFT` for the power iteration."""
+_LIFT = 2.0**64
+
+
 def matrix_dims(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
     """The [n, m] matrix a tensor of this shape is factorised as."""
     if not shape:
@@ -148,9 +153,14 @@ class LowRankCodec(TensorCodec):
         # Power iteration on M / s, whose entries lie in [-1, 1], so no product overflows even
         # near fp32's largest value; the 1/s goes on the thin factors, not on M (a pass
         # saved). P^T M rather than M^T P: on CPU the transposed product is 10x slower.
+        # A matrix of subnormals would make q / s overflow to inf (and the factors NaN): it
+        # is lifted by 2^64, which is exact, for the iteration only; the ratio is the same.
+        lifted, lifted_scale = matrix, scale
+        if float(scale) < _TINY_SCALE:
+            lifted, lifted_scale = matrix * _LIFT, scale * _LIFT
         for _ in range(rounds):
-            p = torch.linalg.qr(matrix @ (q / scale)).Q  # reduced: [n, r], orthonormal columns
-            q = ((p / scale).T @ matrix).T
+            p = torch.linalg.qr(lifted @ (q / lifted_scale)).Q  # reduced: [n, r], orthonormal
+            q = ((p / lifted_scale).T @ lifted).T
         words[0] = scale
         words[1 : 1 + n * r].view(n, r).copy_(p)
         words[1 + n * r :].view(m, r).copy_(q)
