@@ -133,6 +133,16 @@ def entropy_label(roles: Sequence[str]) -> str:
     return ", zstd " + " and ".join(f"{r}s" for r in named) if named else ""
 
 
+def code_max_label(activation_codec: str, code_max: int) -> str:
+    """The suffix `, activation codes to 15` when `pipeline.activation_code_max` narrows a
+    row's activation codes (its codec's own largest code is higher), else empty."""
+    from swarmpipe.compression import get_codec
+
+    if code_max and code_max < get_codec(activation_codec).qmax:
+        return f", activation codes to {code_max}"
+    return ""
+
+
 def build_settings(
     kinds: Sequence[str],
     d_model: int,
@@ -143,6 +153,7 @@ def build_settings(
     bottleneck_gradient_codec: str | None = None,
     centered: Sequence[str] = (),
     zstd: Sequence[str] = (),
+    code_max: int = 0,
 ) -> tuple[list[BoundarySetting], list[str]]:
     """The rows `kinds` asks for, and a note for each one skipped (a codec not registered).
 
@@ -154,7 +165,8 @@ def build_settings(
     (the run's `pipeline.stochastic_rounding`), e.g. `int8, stochastic rounding`, and with the
     roles `centered` (`pipeline.int8_centered`) centres, e.g. `int4, centered activations,
     stochastic rounding`, and with the roles `zstd` (`pipeline.zstd`) compresses losslessly,
-    e.g. `int4, zstd activations`.
+    e.g. `int4, zstd activations`, and with `code_max` (`pipeline.activation_code_max`),
+    e.g. `int8, activation codes to 15`.
     """
     from swarmpipe.compression import CODECS_BY_NAME
 
@@ -175,6 +187,7 @@ def build_settings(
             if gradient_codec != bottleneck_codec:
                 name += f"-grad-{gradient_codec}"
             name += centering_label(bottleneck_codec, gradient_codec, centered)
+            name += code_max_label(bottleneck_codec, code_max)
             name += entropy_label(zstd)
             name += rounding_label(bottleneck_codec, gradient_codec, stochastic_rounding)
             settings.append(
@@ -202,6 +215,7 @@ def build_settings(
             name = (
                 kind
                 + centering_label(kind, kind, centered)
+                + code_max_label(kind, code_max)
                 + entropy_label(zstd)
                 + rounding_label(kind, kind, stochastic_rounding)
             )
@@ -264,6 +278,7 @@ class SimulatedPipeline:
             channel_blocks=o.channel_blocks,
             centered=direction in o.centered_blocks,
             entropy=o.entropy(direction),
+            code_max=o.code_max(direction),
             topk_fraction=o.topk_fraction,
             rank=o.lowrank_rank,
             state=self._states[key],
@@ -773,6 +788,7 @@ def serve(args: argparse.Namespace) -> int:
         bottleneck_gradient_codec=args.bottleneck_gradient_codec,
         centered=config.pipeline.int8_centered,
         zstd=config.pipeline.zstd,
+        code_max=config.pipeline.activation_code_max,
     )
     if any(s.bottleneck for s in settings):
         load_config(None, [*args.set, f"model.bottleneck={args.bottleneck}"])  # validate k

@@ -114,6 +114,8 @@ def describe(header: tensor_pb2.TensorHeader) -> str:
         codec_text += " down channels"
     if header.centered:
         codec_text += " centered"
+    if header.code_max:
+        codec_text += f" codes to {header.code_max}"
     if header.kept:
         codec_text += f" keeping {header.kept}"
     if header.rank:
@@ -144,6 +146,8 @@ class TensorCodec(abc.ABC):
     """Whether the codec quantises, and so can round stochastically."""
     stateful: ClassVar[bool] = False
     """Whether the codec encodes through `_encode_stateful` and can use an EncoderState."""
+    qmax: ClassVar[int] = 0
+    """Largest integer code of a quantising codec (127 for int8, 7 for int4); 0 if none."""
     header_fields: ClassVar[frozenset[str]] = frozenset()
     """Codec-specific TensorHeader fields (`kept`, `rank`) this codec sets; others must be 0."""
 
@@ -223,6 +227,7 @@ class TensorCodec(abc.ABC):
         rounding: Rounding = NEAREST,
         channel_blocks: bool = False,
         centered: bool = False,
+        code_max: int = 0,
         topk_fraction: float = DEFAULT_TOPK_FRACTION,
         rank: int = DEFAULT_LOWRANK_RANK,
         state: EncoderState | None = None,
@@ -231,11 +236,12 @@ class TensorCodec(abc.ABC):
 
         Works on any device; the arithmetic runs where the tensor is and only the payload is
         copied to host memory. `block_size`, `channel_blocks` (blocks down the rows of each
-        channel) and `centered` (each block sends its midpoint; see blockwise.py) are
-        ignored by codecs that are not blockwise,
-        `topk_fraction` by all but top-k, `rank` by all but low-rank, and `state` by codecs
-        that are not `stateful`; stochastic `rounding` is refused by codecs that do not
-        quantise.
+        channel), `centered` (each block sends its midpoint; see blockwise.py) and `code_max`
+        (codes only up to this magnitude: fewer levels, for an entropy stage to pack; 0, or
+        at least the codec's own largest code, uses all) are ignored by codecs that are not
+        blockwise, `topk_fraction` by all but top-k, `rank` by all but low-rank, and `state`
+        by codecs that are not `stateful`; stochastic `rounding` is refused by codecs that do
+        not quantise.
         """
         if tensor.dtype not in self.dtypes:
             integer = tensor.dtype in _DTYPE_ENUMS and not tensor.dtype.is_floating_point
@@ -250,6 +256,8 @@ class TensorCodec(abc.ABC):
             raise CodecError(
                 f"the {self.name} codec does not quantise, so it has no stochastic rounding"
             )
+        if code_max < 0:
+            raise CodecError(f"code_max must be 0 (the codec's own) or >= 1, not {code_max}")
         header = tensor_pb2.TensorHeader(
             dtype=dtype_enum(tensor.dtype),
             shape=tensor.shape,
@@ -258,6 +266,7 @@ class TensorCodec(abc.ABC):
             stochastic_rounding=rounding.stochastic,
             channel_blocks=channel_blocks and self.blockwise,
             centered=centered and self.blockwise,
+            code_max=code_max if self.blockwise and code_max < self.qmax else 0,
         )
         # reshape copies only when the tensor is not contiguous; detach lets .numpy() work on
         # tensors that require grad without copying them.
@@ -347,6 +356,15 @@ class TensorCodec(abc.ABC):
             raise CodecError(
                 "tensor header has centered blocks but the codec has no blocks "
                 f"({describe(header)})"
+            )
+        if header.code_max and not (self.blockwise and header.code_max < self.qmax):
+            raise CodecError(
+                f"tensor header limits codes to {header.code_max} but the {self.name} codec "
+                + (
+                    f"takes a limit of 1 to {self.qmax - 1} ({describe(header)})"
+                    if self.blockwise
+                    else f"has no integer codes ({describe(header)})"
+                )
             )
         if not self.blockwise and header.block_size:
             raise CodecError(

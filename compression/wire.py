@@ -52,6 +52,7 @@ def encode_tensor(
     entropy: int | str = "none",
     channel_blocks: bool = False,
     centered: bool = False,
+    code_max: int = 0,
     topk_fraction: float = DEFAULT_TOPK_FRACTION,
     rank: int = DEFAULT_LOWRANK_RANK,
     state: EncoderState | None = None,
@@ -62,7 +63,9 @@ def encode_tensor(
     "int4", "topk", "lowrank"); `block_size` and `channel_blocks` (blocks down each channel of
     the last dimension rather than along the flat tensor: far better with outlier channels) and
     `centered` (each block also sends its midpoint: far better for values offset from zero)
-    matter only to blockwise codecs, and stochastic `rounding` only to int8 and int4 (other
+    and `code_max` (codes only up to this magnitude: fewer levels, for `entropy` to pack)
+    matter only to
+    blockwise codecs, and stochastic `rounding` only to int8 and int4 (other
     codecs refuse it). `topk_fraction` is the share of
     entries top-k keeps and `rank` the factor width of low-rank; `state` (an EncoderState the
     caller keeps per link and role) gives those two error feedback and warm starts, and other
@@ -76,6 +79,7 @@ def encode_tensor(
         rounding=rounding,
         channel_blocks=channel_blocks,
         centered=centered,
+        code_max=code_max,
         topk_fraction=topk_fraction,
         rank=rank,
         state=state,

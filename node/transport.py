@@ -66,6 +66,8 @@ class EncodeOptions:
     """Roles whose int8/int4 blocks each send their midpoint (compression/blockwise.py)."""
     zstd: tuple[str, ...] = ()
     """Roles whose payloads also pass through the zstd stage (compression/entropy.py)."""
+    activation_code_max: int = 0
+    """Largest int8/int4 code of activations; 0 is the codec's own."""
 
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig) -> EncodeOptions:
@@ -79,11 +81,16 @@ class EncodeOptions:
             stochastic_rounding=pipeline.stochastic_rounding,
             centered_blocks=pipeline.int8_centered,
             zstd=pipeline.zstd,
+            activation_code_max=pipeline.activation_code_max,
         )
 
     def entropy(self, role: str) -> str:
         """The entropy stage a tensor of `role` passes through: "zstd" or "none"."""
         return "zstd" if role in self.zstd else "none"
+
+    def code_max(self, role: str) -> int:
+        """The largest int8/int4 code of a tensor of `role`; 0 is the codec's own."""
+        return self.activation_code_max if role == "activation" else 0
 
     def rounding(self, codec: int | str, role: str, device: torch.device) -> Rounding:
         """How `codec` rounds a tensor of `role` on `device`: stochastically where the run
@@ -118,6 +125,7 @@ async def encode(
             channel_blocks=options.channel_blocks,
             centered=role in options.centered_blocks,
             entropy=options.entropy(role),
+            code_max=options.code_max(role),
             topk_fraction=options.topk_fraction,
             rank=options.lowrank_rank,
             state=state,

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dswarmpipe/protos/tensor.proto\x12\x0cswarmpipe.v1\"\xc5\x02\n\x0cTensorHeader\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.swarmpipe.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\"\n\x05\x63odec\x18\x03 \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x1b\n\x13stochastic_rounding\x18\x07 \x01(\x08\x12&\n\x07\x65ntropy\x18\x08 \x01(\x0e\x32\x15.swarmpipe.v1.Entropy\x12\x19\n\x11raw_payload_bytes\x18\t \x01(\x04\x12\x0c\n\x04kept\x18\n \x01(\x04\x12\x0c\n\x04rank\x18\x0b \x01(\r\x12\x16\n\x0e\x63hannel_blocks\x18\x0c \x01(\x08\x12\x10\n\x08\x63\x65ntered\x18\r \x01(\x08\"\x1b\n\x0bTensorChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05*\xa9\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43ODEC_LOSSLESS\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x18\n\x14\x43ODEC_BLOCKWISE_INT8\x10\x04\x12\x18\n\x14\x43ODEC_BLOCKWISE_INT4\x10\x05\x12\x0e\n\nCODEC_TOPK\x10\x06\x12\x11\n\rCODEC_LOWRANK\x10\x07*-\n\x07\x45ntropy\x12\x10\n\x0c\x45NTROPY_NONE\x10\x00\x12\x10\n\x0c\x45NTROPY_ZSTD\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dswarmpipe/protos/tensor.proto\x12\x0cswarmpipe.v1\"\xd7\x02\n\x0cTensorHeader\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.swarmpipe.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\"\n\x05\x63odec\x18\x03 \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x1b\n\x13stochastic_rounding\x18\x07 \x01(\x08\x12&\n\x07\x65ntropy\x18\x08 \x01(\x0e\x32\x15.swarmpipe.v1.Entropy\x12\x19\n\x11raw_payload_bytes\x18\t \x01(\x04\x12\x0c\n\x04kept\x18\n \x01(\x04\x12\x0c\n\x04rank\x18\x0b \x01(\r\x12\x16\n\x0e\x63hannel_blocks\x18\x0c \x01(\x08\x12\x10\n\x08\x63\x65ntered\x18\r \x01(\x08\x12\x10\n\x08\x63ode_max\x18\x0e \x01(\r\"\x1b\n\x0bTensorChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05*\xa9\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43ODEC_LOSSLESS\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x18\n\x14\x43ODEC_BLOCKWISE_INT8\x10\x04\x12\x18\n\x14\x43ODEC_BLOCKWISE_INT4\x10\x05\x12\x0e\n\nCODEC_TOPK\x10\x06\x12\x11\n\rCODEC_LOWRANK\x10\x07*-\n\x07\x45ntropy\x12\x10\n\x0c\x45NTROPY_NONE\x10\x00\x12\x10\n\x0c\x45NTROPY_ZSTD\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmpipe.protos.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=404
-  _globals['_DTYPE']._serialized_end=526
-  _globals['_CODEC']._serialized_start=529
-  _globals['_CODEC']._serialized_end=698
-  _globals['_ENTROPY']._serialized_start=700
-  _globals['_ENTROPY']._serialized_end=745
+  _globals['_DTYPE']._serialized_start=422
+  _globals['_DTYPE']._serialized_end=544
+  _globals['_CODEC']._serialized_start=547
+  _globals['_CODEC']._serialized_end=716
+  _globals['_ENTROPY']._serialized_start=718
+  _globals['_ENTROPY']._serialized_end=763
   _globals['_TENSORHEADER']._serialized_start=48
-  _globals['_TENSORHEADER']._serialized_end=373
-  _globals['_TENSORCHUNK']._serialized_start=375
-  _globals['_TENSORCHUNK']._serialized_end=402
+  _globals['_TENSORHEADER']._serialized_end=391
+  _globals['_TENSORCHUNK']._serialized_start=393
+  _globals['_TENSORCHUNK']._serialized_end=420
 # @@protoc_insertion_point(module_scope)

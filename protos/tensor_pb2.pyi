@@ -126,6 +126,7 @@ class TensorHeader(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     CHANNEL_BLOCKS_FIELD_NUMBER: _builtins.int
     CENTERED_FIELD_NUMBER: _builtins.int
+    CODE_MAX_FIELD_NUMBER: _builtins.int
     dtype: Global___DType.ValueType
     """dtype of the tensor after decoding"""
     codec: Global___Codec.ValueType
@@ -148,6 +149,11 @@ class TensorHeader(_message.Message):
     """int8/int4: blocks run down the rows of one channel (last dim)"""
     centered: _builtins.bool
     """int8/int4: each block also sends its midpoint (fp32), and its"""
+    code_max: _builtins.int
+    """codes are offsets from it; a decoder that ignores this field
+    finds the payload the wrong size and refuses it
+    int8/int4: codes lie in [-code_max, code_max] (0 = the codec's
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -166,10 +172,11 @@ class TensorHeader(_message.Message):
         rank: _builtins.int = ...,
         channel_blocks: _builtins.bool = ...,
         centered: _builtins.bool = ...,
+        code_max: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "centered", b"centered", "channel_blocks", b"channel_blocks", "codec", b"codec", "crc32", b"crc32", "dtype", b"dtype", "entropy", b"entropy", "kept", b"kept", "payload_bytes", b"payload_bytes", "rank", b"rank", "raw_payload_bytes", b"raw_payload_bytes", "shape", b"shape", "stochastic_rounding", b"stochastic_rounding"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "centered", b"centered", "channel_blocks", b"channel_blocks", "code_max", b"code_max", "codec", b"codec", "crc32", b"crc32", "dtype", b"dtype", "entropy", b"entropy", "kept", b"kept", "payload_bytes", b"payload_bytes", "rank", b"rank", "raw_payload_bytes", b"raw_payload_bytes", "shape", b"shape", "stochastic_rounding", b"stochastic_rounding"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -48,6 +48,14 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
             "pipeline.int8_centered=['weights'] may name only activation, gradient, reduce",
         ),
         (
+            ["pipeline.activation_code_max=11"],
+            'saves bytes only through zstd: add "activation" to pipeline.zstd',
+        ),
+        (
+            ['pipeline.zstd=["activation"]', "pipeline.activation_code_max=-1"],
+            "pipeline.activation_code_max=-1 must be 0",
+        ),
+        (
             ['pipeline.zstd=["activations"]'],
             "pipeline.zstd=['activations'] may name only activation, gradient, reduce",
         ),

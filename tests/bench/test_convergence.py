@@ -173,6 +173,15 @@ def test_rows_are_named_with_the_roles_zstd_compresses() -> None:
     assert plain.name == "int8, nearest"
 
 
+def test_rows_are_named_with_their_narrowed_activation_codes() -> None:
+    kinds = ["lossless", "int4", "int8", "bottleneck"]
+    rows, _ = build_settings(kinds, 32, 8, "int8", [], zstd=["activation"], code_max=11)
+    assert [r.name for r in rows] == ["lossless, zstd activations",
+        "int4, zstd activations, nearest",  # 11 is past int4's own 7: nothing narrowed
+        "int8, activation codes to 11, zstd activations, nearest",
+        "bottleneck-k8-int8, activation codes to 11, zstd activations, nearest"]  # fmt: skip
+
+
 def test_a_bottleneck_may_send_its_gradients_with_another_codec() -> None:
     (row,), _ = build_settings(
         ["bottleneck"], 32, 8, "int4", ["activation", "gradient"], bottleneck_gradient_codec="int8"

@@ -508,6 +508,52 @@ def test_tiny_blocks_keep_their_precision() -> None:
         assert y[0].item() != 0.0
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_code_max_narrows_the_codes_in_the_same_container(codec: str) -> None:
+    x = torch.randn(512, 8, generator=_gen(21)) * 3 + 1
+    full = encode_tensor(x, codec, channel_blocks=True, centered=True)
+    header, payload = encode_tensor(x, codec, channel_blocks=True, centered=True, code_max=3)
+    assert header.code_max == 3 and header.payload_bytes == full[0].payload_bytes
+    assert "codes to 3" in describe(header)
+    y = decode_tensor(header, payload)
+    # Seven levels per block: every decoded value of a channel block is one of them.
+    assert all(len(y[:256, c].unique()) <= 7 for c in range(8))
+    error = float((y - x).abs().max())
+    assert error > float((decode_tensor(*full) - x).abs().max())  # coarser, as asked
+    # A receiver that does not know the field decodes the same tensor: only levels differ.
+    header.code_max = 0
+    assert torch.equal(decode_tensor(header, payload), y)
+
+
+def test_code_max_pays_through_zstd() -> None:
+    x = torch.randn(1024, 8, generator=_gen(22))
+    options: dict[str, Any] = {"channel_blocks": True, "entropy": "zstd"}
+    int8 = encode_tensor(x, "int8", **options)[0].payload_bytes
+    narrowed = encode_tensor(x, "int8", code_max=11, **options)[0].payload_bytes
+    assert narrowed < 0.65 * int8  # 23 levels instead of 255: about 4.6 bits a code, not 8
+
+
+def test_code_max_at_or_above_the_codecs_own_is_the_full_range() -> None:
+    x = torch.randn(300, generator=_gen(23))
+    for codec, code_max in (("int8", 127), ("int8", 500), ("int4", 7), ("int4", 15)):
+        assert encode_tensor(x, codec, code_max=code_max) == encode_tensor(x, codec)
+    # Codecs without integer codes ignore it, as they ignore block sizes.
+    assert encode_tensor(x, "fp16", code_max=3) == encode_tensor(x, "fp16")
+
+
+def test_bad_code_max_is_refused() -> None:
+    with pytest.raises(CodecError, match="code_max must be 0"):
+        encode_tensor(torch.ones(4), "int8", code_max=-1)
+    header, payload = encode_tensor(torch.ones(4, 4), "int4", code_max=3)
+    header.code_max = 7
+    with pytest.raises(CodecError, match="takes a limit of 1 to 6"):
+        decode_tensor(header, payload)
+    header, payload = encode_tensor(torch.ones(4, 4), "fp16")
+    header.code_max = 3
+    with pytest.raises(CodecError, match="fp16 codec has no integer codes"):
+        decode_tensor(header, payload)
+
+
 def test_lowrank_of_subnormal_values_stays_finite() -> None:
     # The power iteration divides by the absmax; 1e-45 made that overflow and the factors NaN.
     x = torch.full((2, 4), 1.4013e-45)

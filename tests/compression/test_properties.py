@@ -162,6 +162,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
             "block_size": st.sampled_from([1, 3, 64, 256]),
             "channel_blocks": st.booleans(),
             "centered": st.booleans(),
+            "code_max": st.sampled_from([0, 1, 3, 15]),
             "topk_fraction": st.sampled_from([1e-3, 0.05, 0.5, 1.0]),
             "rank": st.sampled_from([1, 2, 8]),
         }
@@ -183,7 +184,7 @@ def test_every_codec_round_trips_within_its_bound(
             x,
             y,
             options["block_size"],
-            QMAX[codec],
+            header.code_max or QMAX[codec],
             header.channel_blocks,
             centered=header.centered,
         )

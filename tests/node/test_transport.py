@@ -100,3 +100,18 @@ def test_roles_named_in_the_config_pass_through_zstd_and_decode_exactly() -> Non
     assert zstd.payload_bytes < plain.payload_bytes
     assert torch.equal(zstd_decoded, plain_decoded)  # lossless: the same codes, fewer bytes
     assert not load_config().pipeline.zstd  # off unless a run asks for it
+
+
+def test_activation_code_max_narrows_activations_only() -> None:
+    config = load_config(
+        None, ['pipeline.zstd=["activation", "gradient"]', "pipeline.activation_code_max=11"]
+    )
+    options = EncodeOptions.from_pipeline(config.pipeline)
+    tensor = torch.randn(1024, 8, generator=torch.Generator().manual_seed(6))
+
+    async def send(role: str) -> tensor_pb2.TensorHeader:
+        return (await encode(tensor, INT8, options, role=role)).header
+
+    activation, gradient = asyncio.run(send("activation")), asyncio.run(send("gradient"))
+    assert (activation.code_max, gradient.code_max) == (11, 0)
+    assert activation.payload_bytes < 0.65 * gradient.payload_bytes
