@@ -233,7 +233,7 @@ class PipelineConfig:
     """Largest int8/int4 code of activations, below the codec's own (127, 7): fewer levels,
     which only zstd turns into fewer bytes, so it needs "activation" in pipeline.zstd. 0 uses
     the codec's range. With int8, 15 (31 levels) costs about 4.8 bits a value after zstd at
-    half int4's error, and 11 about 4.4 bits: between int4 and int8 where neither fits."""
+    half int4's error, and 11 about 4.6 bits: between int4 and int8 where neither fits."""
     topk_fraction: float = 0.01
     """Share of a tensor's entries the topk codec sends (the largest magnitudes), in (0, 1]."""
     lowrank_rank: int = 8
