@@ -169,6 +169,36 @@ def test_bottleneck_with_centered_int4_activations_trains_through_real_nodes(
         assert sent == c["committed"] // microbatch * 2 * size, direction
 
 
+def test_bottleneck_with_narrowed_zstd_activations_trains_through_real_nodes(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    # int8 activations capped at code 11 and packed by zstd reach the nodes' encoders and
+    # decode on the other side; gradients, neither narrowed nor packed, are plain int8.
+    k, steps, context, microbatch = 4, 8, 32, 4
+    report = run_testnet(
+        tmp_path,
+        tiny,
+        steps,
+        f"model.bottleneck={k}",
+        "pipeline.activation_codec=int8",
+        "pipeline.gradient_codec=int8",
+        'pipeline.zstd=["activation"]',
+        "pipeline.activation_code_max=11",
+    )
+    losses = [s["loss"] for s in report["steps"]]
+    assert len(losses) == steps and losses[-1] < 0.95 * losses[0], losses
+    c = report["counters"]
+    assert c["lost"] == 0 and c["committed"] == steps * 16
+    plain = len(encode_tensor(torch.zeros(microbatch, context, k), "int8", channel_blocks=True)[1])
+    sent = {
+        direction: sum(link["bytes"] for link in report["links"] if link["direction"] == direction)
+        for direction in ("activation", "gradient")
+    }
+    hops = c["committed"] // microbatch * 2
+    assert sent["gradient"] == hops * plain
+    assert sent["activation"] < 0.75 * hops * plain  # 23 levels packed: about 4.6 bits a code
+
+
 def test_lowrank_activations_and_topk_gradients_train_end_to_end(
     tmp_path: Path, tiny: list[str]
 ) -> None:
