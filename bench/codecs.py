@@ -112,7 +112,13 @@ class Contender:
 
 
 def ours(
-    codec: str, args: argparse.Namespace, *, channel_blocks: bool = True, centered: bool = False
+    codec: str,
+    args: argparse.Namespace,
+    *,
+    channel_blocks: bool = True,
+    centered: bool = False,
+    entropy: str = "none",
+    code_max: int = 0,
 ) -> Contender:
     def encode(x: torch.Tensor) -> Any:
         return encode_tensor(
@@ -121,6 +127,8 @@ def ours(
             block_size=args.block_size,
             channel_blocks=channel_blocks,
             centered=centered,
+            entropy=entropy,
+            code_max=code_max,
             topk_fraction=args.topk_fraction,
             rank=args.rank,
         )
@@ -208,6 +216,9 @@ def serve(args: argparse.Namespace) -> int:
         if get_codec(codec).blockwise:
             mine[f"{codec}_flat"] = ours(codec, args, channel_blocks=False)
             mine[f"{codec}_centered"] = ours(codec, args, centered=True)
+            mine[f"{codec}_zstd"] = ours(codec, args, entropy="zstd")
+    if "int8" in codecs:  # between int4 and int8: 31 levels, which zstd packs into ~5 bits
+        mine["int8_codes15_zstd"] = ours("int8", args, entropy="zstd", code_max=15)
     contenders: dict[str, Contender] = {f"ours {n}": c for n, c in mine.items()}
     contenders.update({f"hivemind {n}": c for n, c in theirs.items()})
     result: dict[str, Any] = {

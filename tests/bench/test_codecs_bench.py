@@ -27,7 +27,8 @@ def test_codec_bench_prints_figures_for_every_tensor(tmp_path: Path) -> None:
     tensors = result["tensors"]
     assert set(tensors) == {"activation", "gradient", "activation_outliers", "gradient_outliers"}
     for name, entry in tensors.items():
-        assert set(entry["ours"]) == {"int8", "int8_flat", "int8_centered", "lowrank"}
+        assert set(entry["ours"]) == {"int8", "int8_flat", "int8_centered", "int8_zstd",
+                                      "int8_codes15_zstd", "lowrank"}  # fmt: skip
         int8 = entry["ours"]["int8"]
         # 1 byte a code plus one fp32 scale per 256: fp32 / (1 + 4/256).
         assert int8["ratio"] == pytest.approx(4 / (1 + 4 / 256))
@@ -38,5 +39,11 @@ def test_codec_bench_prints_figures_for_every_tensor(tmp_path: Path) -> None:
         centered = entry["ours"]["int8_centered"]
         assert centered["ratio"] == pytest.approx(4 / (1 + 8 / 256))
         assert centered["relative_error"] <= int8["relative_error"] * 1.05, name
+        # zstd is lossless; narrowed codes trade error for what zstd then saves.
+        packed, narrowed = entry["ours"]["int8_zstd"], entry["ours"]["int8_codes15_zstd"]
+        assert packed["relative_error"] == int8["relative_error"]
+        assert packed["ratio"] >= int8["ratio"]
+        assert narrowed["ratio"] > 1.4 * int8["ratio"], name
+        assert int8["relative_error"] < narrowed["relative_error"] < 0.1, name
     outliers = tensors["activation_outliers"]["ours"]
     assert outliers["int8"]["relative_error"] < 0.5 * outliers["int8_flat"]["relative_error"]
