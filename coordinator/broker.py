@@ -8,6 +8,7 @@ through `--broker mqtt://host:port`, which the project tests as well.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from amqtt.broker import Broker
@@ -22,6 +23,25 @@ logger = logging.getLogger(__name__)
 _PLUGINS: dict[str, Any] = {
     "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
 }
+
+
+class _SnapshotIterDict(dict[str, Any]):
+    """A dict whose iteration walks a copy of its keys (or items).
+
+    amqtt 0.12.1 loops over its subscription table with awaits inside the loop
+    (replaying retained messages to a client that just connected, fanning a
+    publish out). A subscription added meanwhile by another client raises
+    "dictionary changed size during iteration", and the broker drops the
+    connecting client: a node died at startup with its SUBSCRIBE unanswered.
+    Iterating a snapshot makes those loops safe; a subscription that arrives
+    during the loop is served by its own retained-message replay.
+    """
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(dict.keys(self)))
+
+    def items(self) -> list[tuple[str, Any]]:  # type: ignore[override]
+        return list(dict.items(self))
 
 
 class EmbeddedBroker:
@@ -42,6 +62,8 @@ class EmbeddedBroker:
         logging.getLogger("amqtt").setLevel(logging.WARNING)
         logging.getLogger("transitions").setLevel(logging.WARNING)
         broker = Broker(config)
+        # Broker.start() clears the table in place, so the replacement stays.
+        broker._subscriptions = _SnapshotIterDict()
         try:
             await broker.start()
         except Exception as exc:
