@@ -15,11 +15,13 @@ the reduce: its parameters are not the stage's yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +31,10 @@ import torch
 
 from swarmpipe import __version__
 from swarmpipe.config import RunConfig, codec_enum
-from swarmpipe.errors import CoordinatorUnavailable, PeerError
+from swarmpipe.errors import CoordinatorUnavailable, PeerError, SwarmpipeError
 from swarmpipe.link_control import LinkSettings, describe
 from swarmpipe.logs import set_log_identity
-from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
+from swarmpipe.mqtt_bus import BrokerAddress, Topics, make_client, parse_broker_url
 from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.head import Head
@@ -58,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 TELEMETRY_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 15.0
+# Tries to set up the MQTT session at start, 1, 2, 4 s apart.
+BUS_ATTEMPTS = 4
 DRAIN_TIMEOUT_S = 30.0
 COORDINATOR_RETRY_S = 60.0
 
@@ -265,17 +269,8 @@ class NodeDaemon:
                 qos=1,
                 retain=True,
             )
-            async with make_client(broker, f"node-{self.node_id}", will=will) as client:
+            async with self._open_bus(broker, self._topics, will) as client:
                 self._mqtt = client
-                await client.subscribe(self._topics.plan, qos=1)
-                await client.subscribe(self._topics.step, qos=1)
-                await client.subscribe(self._topics.control(), qos=1)
-                await client.publish(
-                    self._topics.presence(self.node_id),
-                    self._presence(online=True).SerializeToString(),
-                    qos=1,
-                    retain=True,
-                )
                 self._spawn(self._read_mqtt(client))
                 self._spawn(self._telemetry_loop(client))
                 self._spawn(self._start_serving())
@@ -304,6 +299,53 @@ class NodeDaemon:
             await self._channel.close()
             self.compute.close()
         return self._exit_reason
+
+    @contextlib.asynccontextmanager
+    async def _open_bus(
+        self, broker: BrokerAddress, topics: Topics, will: aiomqtt.Will
+    ) -> AsyncIterator[aiomqtt.Client]:
+        """Connect to the broker, subscribe to the run's topics and announce ourselves.
+
+        A broker that refuses or drops us while we set up (restarting, overloaded) is
+        retried a few times with backoff; one that stays away is a one-line error.
+        """
+        delay = 1.0
+        for attempt in range(1, BUS_ATTEMPTS + 1):
+            stack = contextlib.AsyncExitStack()
+            try:
+                client = await stack.enter_async_context(
+                    make_client(broker, f"node-{self.node_id}", will=will)
+                )
+                await client.subscribe(topics.plan, qos=1)
+                await client.subscribe(topics.step, qos=1)
+                await client.subscribe(topics.control(), qos=1)
+                await client.publish(
+                    topics.presence(self.node_id),
+                    self._presence(online=True).SerializeToString(),
+                    qos=1,
+                    retain=True,
+                )
+            except aiomqtt.MqttError as exc:
+                with contextlib.suppress(aiomqtt.MqttError):
+                    await stack.aclose()
+                if attempt == BUS_ATTEMPTS or self._stop.is_set():
+                    raise SwarmpipeError(
+                        f"cannot use the MQTT broker at {broker.url} ({attempt} attempt(s)): {exc}"
+                    ) from exc
+                logger.warning(
+                    "MQTT broker %s: %s; retrying in %.0f s (attempt %d of %d)",
+                    broker.url,
+                    exc,
+                    delay,
+                    attempt,
+                    BUS_ATTEMPTS,
+                )
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            async with stack:
+                yield client
+            return
 
     async def _start_serving(self) -> None:
         """Catch up with the swarm, then take traffic (and lead, on stage 0)."""

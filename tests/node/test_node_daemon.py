@@ -6,8 +6,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -183,11 +185,7 @@ def test_grpcurl_sees_health_and_reflection(last_stage) -> None:  # type: ignore
 
 
 def test_node_exits_with_one_line_when_coordinator_is_unreachable(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()  # nobody listens on it
     done = subprocess.run(
         [
             sys.executable,
@@ -209,6 +207,82 @@ def test_node_exits_with_one_line_when_coordinator_is_unreachable(tmp_path: Path
     errors = [line for line in done.stderr.splitlines() if "swarmpipe node" in line]
     assert len(errors) == 1 and "cannot reach the coordinator" in errors[0]
     assert "Traceback" not in done.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _DroppingProxy:
+    """Forwards TCP connections to 127.0.0.1:`target`, but cuts the first `drop` of them
+    as soon as they arrive: a broker that restarts or sheds load under a node's feet."""
+
+    def __init__(self, target: int, drop: int) -> None:
+        self.target, self.drop, self.dropped = target, drop, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            if self.dropped < self.drop:
+                self.dropped += 1
+                conn.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_node_retries_a_broker_that_drops_it_at_start(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    coordinator = procs.coordinator(*tiny, "pipeline.stages=2", "train.steps=1000")
+    broker = json.loads((procs.tmp / "coordinator.ready.json").read_text())["broker_url"]
+    proxy = _DroppingProxy(parse_broker_url(broker).port, drop=1)
+    try:
+        procs.node("n0", coordinator, "--broker", f"mqtt://127.0.0.1:{proxy.port}")
+        procs.node("n1", coordinator)
+        procs.wait_serving("n0")
+        procs.wait_serving("n1")
+        assert proxy.dropped == 1
+        log = (procs.tmp / "n0.log").read_text()
+        assert log.count("retrying in 1 s (attempt 1 of 4)") == 1, log
+        assert "Traceback" not in log
+    finally:
+        proxy.close()
+
+
+def test_a_node_exits_with_one_line_when_the_broker_stays_away(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    coordinator = procs.coordinator(*tiny, "pipeline.stages=2", "train.steps=1000")
+    node, _ = procs.node("n0", coordinator, "--broker", f"mqtt://127.0.0.1:{_free_port()}")
+    assert node.wait(timeout=60) == 1
+    log = (procs.tmp / "n0.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("swarmpipe node")]
+    assert len(errors) == 1 and "cannot use the MQTT broker" in errors[0], log
+    assert "4 attempt(s)" in errors[0]
+    assert "Traceback" not in log
 
 
 def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
