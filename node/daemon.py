@@ -280,18 +280,23 @@ class NodeDaemon:
                 useful = max(time.monotonic() - self.started_at, 1e-9)
                 logger.info("leaving: %s", self.status_line(self.samples_processed / useful))
                 await self._cancel_tasks()
-                # A last report, so counters of a short run are not lost between ticks.
-                await client.publish(
-                    self._topics.telemetry(self.node_id),
-                    self._telemetry(0.0).SerializeToString(),
-                    qos=1,
-                )
-                await client.publish(
-                    self._topics.presence(self.node_id),
-                    self._presence(online=False).SerializeToString(),
-                    qos=1,
-                    retain=True,
-                )
+                try:
+                    # A last report, so counters of a short run are not lost between ticks.
+                    await client.publish(
+                        self._topics.telemetry(self.node_id),
+                        self._telemetry(0.0).SerializeToString(),
+                        qos=1,
+                    )
+                    await client.publish(
+                        self._topics.presence(self.node_id),
+                        self._presence(online=False).SerializeToString(),
+                        qos=1,
+                        retain=True,
+                    )
+                except aiomqtt.MqttError as exc:
+                    # The broker is gone (that may be why we stop): our Last Will says
+                    # we left, and a traceback here would bury the reason.
+                    logger.info("no goodbye over MQTT: %s", exc)
         finally:
             await self._cancel_tasks()
             await server.stop(grace=1.0)

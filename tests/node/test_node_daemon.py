@@ -285,6 +285,19 @@ def test_a_node_exits_with_one_line_when_the_broker_stays_away(procs, tiny) -> N
     assert "Traceback" not in log
 
 
+def test_a_node_whose_broker_dies_stops_with_the_reason_and_no_traceback(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    coordinator = procs.coordinator(*tiny, "pipeline.stages=2", "train.steps=1000")
+    node, _ = procs.node("n0", coordinator)
+    procs.node("n1", coordinator)
+    procs.wait_serving("n0")
+    coord_popen = procs.children[0][0]
+    os.killpg(coord_popen.pid, signal.SIGKILL)  # and its embedded broker with it
+    assert node.wait(timeout=60) == 1
+    log = (procs.tmp / "n0.log").read_text()
+    assert "stopping: lost the MQTT broker" in log, log
+    assert "Traceback" not in log, log
+
+
 def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "swarmpipe", "coordinator", "--set", "train.stepz=3"],
