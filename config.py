@@ -91,6 +91,10 @@ class ModelConfig:
     stage re-adds a token embedding (token ids then travel with each microbatch, one byte per
     token for a byte vocabulary). k = d_model is the full-width twin to compare a bottleneck
     against. Built-in GPT only."""
+    bottleneck_recent: int = 1
+    """How many of the latest tokens (this one and the ones before it) a stage after a
+    bottleneck boundary re-embeds from the ids it already has, each offset with its own table
+    (model/bottleneck.py says why). 1 re-adds only the token's own embedding."""
     bottleneck_lr_scale: float = 0.1
     """Learning rate of the boundary projections relative to train.lr (model/bottleneck.py
     `build_optimizer` says why they need a smaller one)."""
@@ -112,6 +116,11 @@ class ModelConfig:
             raise ConfigError(
                 f"model.bottleneck={self.bottleneck} must be 0 (off) or a width in "
                 f"1..model.d_model={self.d_model}"
+            )
+        if not 1 <= self.bottleneck_recent <= self.context:
+            raise ConfigError(
+                f"model.bottleneck_recent={self.bottleneck_recent} must be in "
+                f"1..model.context={self.context}"
             )
         if self.bottleneck and self.factory:
             raise ConfigError(

@@ -42,7 +42,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +86,9 @@ class BoundarySetting:
     """Codec of the activation gradients sent back upstream."""
     bottleneck: int = 0
     """model.bottleneck for this row: 0 (the plain model) or the boundary width k."""
+    recent: int = 1
+    """model.bottleneck_recent for this row: how many of the latest tokens a stage after a
+    boundary re-embeds. A bottleneck row is compared with the twin that re-embeds as many."""
 
 
 def rounding_label(activation_codec: str, gradient_codec: str, roles: Sequence[str]) -> str:
@@ -133,6 +136,13 @@ def entropy_label(roles: Sequence[str]) -> str:
     return ", zstd " + " and ".join(f"{r}s" for r in named) if named else ""
 
 
+def recent_label(recent: int) -> str:
+    """The suffix `, re-embeds the last 4 tokens` when a boundary row's receiving stages
+    re-embed more than the token itself (`--bottleneck-recent`): a different model, so a
+    different row, compared with the twin that re-embeds as many."""
+    return f", re-embeds the last {recent} tokens" if recent > 1 else ""
+
+
 def code_max_label(activation_codec: str, code_max: int) -> str:
     """The suffix `, activation codes to 15` when `pipeline.activation_code_max` narrows a
     row's activation codes (its codec's own largest code is higher), else empty."""
@@ -154,6 +164,7 @@ def build_settings(
     centered: Sequence[str] = (),
     zstd: Sequence[str] = (),
     code_max: int = 0,
+    recent: int = 1,
 ) -> tuple[list[BoundarySetting], list[str]]:
     """The rows `kinds` asks for, and a note for each one skipped (a codec not registered).
 
@@ -166,7 +177,8 @@ def build_settings(
     roles `centered` (`pipeline.int8_centered`) centres, e.g. `int4, centered activations,
     stochastic rounding`, and with the roles `zstd` (`pipeline.zstd`) compresses losslessly,
     e.g. `int4, zstd activations`, and with `code_max` (`pipeline.activation_code_max`),
-    e.g. `int8, activation codes to 15`.
+    e.g. `int8, activation codes to 15`. The bottleneck and twin rows re-embed the `recent`
+    latest tokens after each boundary (`model.bottleneck_recent`), named when above 1.
     """
     from swarmpipe.compression import CODECS_BY_NAME
 
@@ -186,6 +198,7 @@ def build_settings(
             name = f"bottleneck-k{bottleneck}-{bottleneck_codec}"
             if gradient_codec != bottleneck_codec:
                 name += f"-grad-{gradient_codec}"
+            name += recent_label(recent)
             name += centering_label(bottleneck_codec, gradient_codec, centered)
             name += code_max_label(bottleneck_codec, code_max)
             name += entropy_label(zstd)
@@ -197,16 +210,18 @@ def build_settings(
                     activation_codec=bottleneck_codec,
                     gradient_codec=gradient_codec,
                     bottleneck=bottleneck,
+                    recent=recent,
                 )
             )
         elif kind == "twin":
             settings.append(
                 BoundarySetting(
                     kind=kind,
-                    name=f"twin-k{d_model}-lossless" + entropy_label(zstd),
+                    name=f"twin-k{d_model}-lossless" + recent_label(recent) + entropy_label(zstd),
                     activation_codec="lossless",
                     gradient_codec="lossless",
                     bottleneck=d_model,
+                    recent=recent,
                 )
             )
         elif kind not in CODECS_BY_NAME:
@@ -241,7 +256,14 @@ class SimulatedPipeline:
         from swarmpipe.node.stage_runtime import StageRuntime
         from swarmpipe.node.transport import EncodeOptions
 
-        self.config = load_config(None, [*overrides, f"model.bottleneck={setting.bottleneck}"])
+        self.config = load_config(
+            None,
+            [
+                *overrides,
+                f"model.bottleneck={setting.bottleneck}",
+                f"model.bottleneck_recent={setting.recent}",
+            ],
+        )
         self.setting = setting
         # The node's own codec parameters and, per hop and direction, its encoder memory
         # (error feedback, warm starts), so each hop encodes exactly as a node would.
@@ -494,11 +516,23 @@ def _paired(row: dict[str, Any], base: dict[str, Any]) -> list[float]:
     return [mine[seed] / theirs[seed] - 1 for seed in mine if seed in theirs]
 
 
+def twins_of(settings: Sequence[dict[str, Any]], d_model: int) -> dict[int, str]:
+    """The twin row of each `recent` (model.bottleneck_recent): the first full-width row (in
+    `settings`' order) that re-embeds as many tokens. Rows written before `recent` existed
+    re-embedded one."""
+    twins: dict[int, str] = {}
+    for setting in settings:
+        if setting["bottleneck"] == d_model:
+            twins.setdefault(setting.get("recent", 1), setting["name"])
+    return twins
+
+
 def summarise(
-    rows: dict[str, dict[str, Any]], order: Sequence[str], twin: str | None
+    rows: dict[str, dict[str, Any]], order: Sequence[str], twins: dict[int, str]
 ) -> dict[str, dict[str, Any]]:
-    """Per finished row: eval loss relative to lossless and to the twin (seed by seed, then
-    the mean and the range over seeds), bytes ratio to lossless.
+    """Per finished row: eval loss relative to lossless and to its twin (seed by seed, then
+    the mean and the range over seeds), bytes ratio to lossless. A bottleneck row's twin is
+    the one of `twins` (see twins_of) that re-embeds as many tokens after each boundary.
 
     The activation figure a bottleneck saves is the tensor plus the token ids it needs.
     """
@@ -511,6 +545,7 @@ def summarise(
         b = row["bytes_per_token_per_hop"]
         entry: dict[str, Any] = {"activation_with_ids": b["activation"] + b["token_ids"]}
         comparisons = [("lossless", base)]
+        twin = twins.get(row["setting"].get("recent", 1))
         if row["setting"]["bottleneck"] and twin is not None:
             comparisons.append(("twin", rows.get(twin)))
         for label, other in comparisons:
@@ -613,6 +648,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the table's byte ratio counts activations, so the two directions may differ",
     )
     parser.add_argument(
+        "--bottleneck-recent",
+        type=int,
+        default=1,
+        help="latest tokens the stage after each boundary re-embeds from the ids it has, in "
+        "the bottleneck and twin rows (model.bottleneck_recent; 1: the token itself)",
+    )
+    parser.add_argument(
         "--eval-every", type=int, default=500, help="held-out evaluation every N steps (0: end)"
     )
     parser.add_argument(
@@ -651,6 +693,17 @@ MERGE_MUST_MATCH = ("format", "model", "corpus", "stages", "block_size", "steps"
 """Fields of a result that every file `--merge` combines must share (and `train` but its seed)."""
 
 
+def _comparable(result: dict[str, Any], key: str) -> Any:
+    """`result[key]` as merge compares it: a model written before one of today's model
+    options existed trained with that option's default, so the default fills it in."""
+    value = result.get(key)
+    if key == "model" and isinstance(value, dict):
+        from swarmpipe.config import ModelConfig
+
+        value = {f.name: f.default for f in fields(ModelConfig)} | value
+    return value
+
+
 def merge_results(results: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """One result from the runs of several (named source, result) pairs: rows ordered as the
     table orders them, each run marked with the command that trained it.
@@ -674,10 +727,11 @@ def merge_results(results: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, An
                 f"{first.get('format')!r} results (written by bench convergence --seeds)"
             )
         for key in MERGE_MUST_MATCH:
-            if result.get(key) != first.get(key):
+            mine, theirs = _comparable(result, key), _comparable(first, key)
+            if mine != theirs:
                 raise SystemExit(
-                    f"{name}: {key} is {result.get(key)!r} but {first_name} has "
-                    f"{first.get(key)!r}; only runs of the same model, data and steps compare"
+                    f"{name}: {key} is {mine!r} but {first_name} has "
+                    f"{theirs!r}; only runs of the same model, data and steps compare"
                 )
         if train_but_seed(result) != train_but_seed(first):
             raise SystemExit(
@@ -711,11 +765,10 @@ def merge_results(results: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, An
         dict.fromkeys(n for n in listed if n in settings_by_name),
         key=lambda n: SETTING_KINDS.index(settings_by_name[n]["kind"]),
     )
-    d_model = first["model"]["d_model"]
-    twin = next((n for n in order if settings_by_name[n]["bottleneck"] == d_model), None)
+    twins = twins_of([settings_by_name[n] for n in order], first["model"]["d_model"])
     rows = aggregate(runs)
     return {
-        **{key: first.get(key) for key in MERGE_MUST_MATCH},
+        **{key: _comparable(first, key) for key in MERGE_MUST_MATCH},
         "command": "swarmpipe bench convergence --merge " + " ".join(name for name, _ in results),
         "train": first["train"],
         "seeds": sorted({run["seed"] for run in runs}),
@@ -723,7 +776,7 @@ def merge_results(results: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, An
         "notes": list(dict.fromkeys(n for _, result in results for n in result.get("notes", []))),
         "runs": runs,
         "settings": rows,
-        "summary": summarise(rows, order, twin),
+        "summary": summarise(rows, order, twins),
         "complete": all(result.get("complete", False) for _, result in results),
     }
 
@@ -778,6 +831,11 @@ def serve(args: argparse.Namespace) -> int:
     _check_device(args.device)
     if config.model.bottleneck:
         raise SystemExit("leave model.bottleneck unset: the bottleneck and twin rows set it")
+    if config.model.bottleneck_recent != 1:
+        raise SystemExit(
+            "leave model.bottleneck_recent unset: --bottleneck-recent sets it for the "
+            "bottleneck and twin rows"
+        )
     kinds = [k for k in args.settings.split(",") if k]
     settings, notes = build_settings(
         kinds,
@@ -789,10 +847,18 @@ def serve(args: argparse.Namespace) -> int:
         centered=config.pipeline.int8_centered,
         zstd=config.pipeline.zstd,
         code_max=config.pipeline.activation_code_max,
+        recent=args.bottleneck_recent,
     )
-    if any(s.bottleneck for s in settings):
-        load_config(None, [*args.set, f"model.bottleneck={args.bottleneck}"])  # validate k
-    twin = next((s.name for s in settings if s.bottleneck == config.model.d_model), None)
+    if any(s.bottleneck for s in settings):  # validate k and the recent tokens
+        load_config(
+            None,
+            [
+                *args.set,
+                f"model.bottleneck={args.bottleneck}",
+                f"model.bottleneck_recent={args.bottleneck_recent}",
+            ],
+        )
+    twins = twins_of([asdict(s) for s in settings], config.model.d_model)
     seeds = [config.train.seed + i for i in range(args.seeds)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -821,7 +887,7 @@ def serve(args: argparse.Namespace) -> int:
     def record(run: dict[str, Any]) -> None:
         result["runs"].append(run)
         result["settings"] = aggregate(result["runs"])
-        result["summary"] = summarise(result["settings"], result["order"], twin)
+        result["summary"] = summarise(result["settings"], result["order"], twins)
         result["complete"] = len(result["runs"]) == len(settings) * len(seeds)
         (out / "convergence.json").write_text(json.dumps(result, indent=2))
         (out / "convergence.md").write_text(markdown_table(result))
@@ -868,6 +934,7 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
             if args.bottleneck_gradient_codec is not None
             else []
         ),
+        *([f"--bottleneck-recent {args.bottleneck_recent}"] if args.bottleneck_recent != 1 else []),
         f"--eval-every {args.eval_every}",
         f"--eval-samples {args.eval_samples}",
         f"--seeds {args.seeds}",

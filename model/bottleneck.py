@@ -13,6 +13,13 @@ wire. This changes the architecture, not only the wire: on a small model the ext
 alone can lower the loss. So `k = D` (the "full-width twin": the same modules, nothing
 narrowed) is the fair baseline for a bottleneck, not the plain model.
 
+With `model.bottleneck_recent = R > 1`, Up also re-embeds the R - 1 tokens before each
+position, each offset from its own table. The ids are on the receiving side already, so
+what they say about the latest few tokens (most of what a small byte-level model knows about
+the next byte) need not squeeze through the k numbers. The link is then left to carry what
+no window of ids gives: what the earlier stages made of the rest of the context. The twin
+re-embeds as many tokens, so the comparison stays fair.
+
 Initialisation keeps a rank-k identity path: Down copies k coordinates of the stream (a random
 choice per boundary, seeded like every layer) and Up writes them back where they were, so at
 k = D the boundary starts as exactly `x + embedding(tokens)`. Both projections then train end
@@ -26,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from swarmpipe.config import ModelConfig, RunConfig
@@ -52,9 +60,22 @@ class BottleneckUp(nn.Module):
         super().__init__()
         self.up = nn.Linear(cfg.bottleneck, cfg.d_model, bias=False)
         self.embed = Embedding(cfg)  # this stage's own copy: tables are never shared across nodes
+        # Offsets 1..R-1 back, one table each of vocab + 1 rows: the last row stands for
+        # "before the sample's first token". None when R = 1 (the token's own embedding only).
+        self.vocab = cfg.vocab
+        self.offsets = cfg.bottleneck_recent - 1
+        self.recent = (
+            nn.Embedding(self.offsets * (cfg.vocab + 1), cfg.d_model) if self.offsets else None
+        )
 
     def forward(self, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.up(z) + self.embed(tokens)  # [B, T, D]
+        if self.recent is not None:
+            # ids[:, t, j] is the token j + 1 places before t, or `vocab` before the start.
+            padded = F.pad(tokens, (self.offsets, 0), value=self.vocab)  # [B, T + R - 1]
+            ids = padded.unfold(1, self.offsets, 1)[:, :-1].flip(2)  # [B, T, R - 1]
+            table = torch.arange(self.offsets, device=tokens.device) * (self.vocab + 1)  # [R - 1]
+            out = out + self.recent(ids + table).sum(dim=2)  # [B, T, D]
         return out
 
 
@@ -96,6 +117,8 @@ def build_bottleneck_up(cfg: ModelConfig, seed: int, boundary: int) -> Bottlenec
         # GPT-2's embedding init, as the model's own embedding gets.
         module.embed.tok.weight.normal_(0.0, 0.02, generator=generator)
         module.embed.pos.weight.normal_(0.0, 0.02, generator=generator)
+        if module.recent is not None:  # drawn last: R = 1 builds what it always built
+            module.recent.weight.normal_(0.0, 0.02, generator=generator)
     return module
 
 

@@ -37,19 +37,28 @@ SMALL = [
 ]
 
 
-def _setting(codec: str, bottleneck: int = 0) -> BoundarySetting:
+def _setting(codec: str, bottleneck: int = 0, recent: int = 1) -> BoundarySetting:
     return BoundarySetting(
-        kind="x", name="x", activation_codec=codec, gradient_codec=codec, bottleneck=bottleneck
+        kind="x",
+        name="x",
+        activation_codec=codec,
+        gradient_codec=codec,
+        bottleneck=bottleneck,
+        recent=recent,
     )
 
 
-@pytest.mark.parametrize("bottleneck", [0, 4, 32])
-def test_lossless_simulation_matches_single_process_training(bottleneck: int) -> None:
-    pipe = SimulatedPipeline(SMALL, _setting("lossless", bottleneck))
+@pytest.mark.parametrize(("bottleneck", "recent"), [(0, 1), (4, 1), (32, 1), (4, 3)])
+def test_lossless_simulation_matches_single_process_training(bottleneck: int, recent: int) -> None:
+    pipe = SimulatedPipeline(SMALL, _setting("lossless", bottleneck, recent))
+    assert pipe.config.model.bottleneck_recent == recent
     corpus = Corpus.load(pipe.config.data, 16, 0)
     simulated = [pipe.train_step(step, corpus) for step in range(5)]
     baseline = train_single_process(
-        load_config(None, [*SMALL, f"model.bottleneck={bottleneck}"]), steps=5
+        load_config(
+            None, [*SMALL, f"model.bottleneck={bottleneck}", f"model.bottleneck_recent={recent}"]
+        ),
+        steps=5,
     )
     assert baseline[-1] < baseline[0], "the baseline did not learn; the test means nothing"
     for got, want in zip(simulated, baseline, strict=True):
@@ -182,6 +191,18 @@ def test_rows_are_named_with_their_narrowed_activation_codes() -> None:
         "bottleneck-k8-int8, activation codes to 11, zstd activations, nearest"]  # fmt: skip
 
 
+def test_rows_are_named_with_the_tokens_their_boundaries_re_embed() -> None:
+    kinds = ["lossless", "bottleneck", "twin"]
+    roles = ["activation", "gradient"]
+    rows, _ = build_settings(kinds, 32, 5, "int8", roles, zstd=["activation"], recent=4)
+    assert [(r.name, r.recent) for r in rows] == [("lossless, zstd activations", 1),
+        ("bottleneck-k5-int8, re-embeds the last 4 tokens, zstd activations, "
+         "stochastic rounding", 4),
+        ("twin-k32-lossless, re-embeds the last 4 tokens, zstd activations", 4)]  # fmt: skip
+    (plain,), _ = build_settings(["bottleneck"], 32, 5, "int8", recent=1)
+    assert plain.name == "bottleneck-k5-int8, nearest" and plain.recent == 1
+
+
 def test_a_bottleneck_may_send_its_gradients_with_another_codec() -> None:
     (row,), _ = build_settings(
         ["bottleneck"], 32, 8, "int4", ["activation", "gradient"], bottleneck_gradient_codec="int8"
@@ -230,9 +251,13 @@ def test_the_command_writes_json_and_a_table_with_parallel_jobs(tmp_path: Path) 
     assert "| lossless | " in table.split("| step 1 | step 2 |")[1]
 
 
-def _run(name: str, seed: int, loss: float, bottleneck: int = 0) -> dict[str, Any]:
+def _run(
+    name: str, seed: int, loss: float, bottleneck: int = 0, recent: int | None = None
+) -> dict[str, Any]:
     kind = "twin" if bottleneck == 32 else "bottleneck" if bottleneck else name.partition(",")[0]
     setting = {"kind": kind, "name": name, "bottleneck": bottleneck}
+    if recent is not None:  # runs written before the field existed lack it
+        setting["recent"] = recent
     wire = {"activation": 512.0, "gradient": 512.0, "token_ids": 0.0, "microbatch_header": 4.0}
     return {"setting": setting, "seed": seed, "eval_loss": loss, "seconds": 1.0, "hops": 2,
             "parameters": 10, "eval_curve": [(10, loss + 1), (20, loss)],
@@ -259,7 +284,7 @@ def test_settings_are_compared_seed_by_seed() -> None:
     assert rows["int8"]["eval_loss_per_seed"] == {"0": 2.02, "1": 3.09}
     assert rows["int8"]["eval_loss"] == pytest.approx(2.555)
     assert rows["int8"]["eval_curve"] == [(10, pytest.approx(3.555)), (20, pytest.approx(2.555))]
-    summary = summarise(rows, ["lossless", "int8"], None)["int8"]
+    summary = summarise(rows, ["lossless", "int8"], {})["int8"]
     assert summary["eval_loss_vs_lossless"] == pytest.approx(0.02)
     assert summary["eval_loss_vs_lossless_range"] == [pytest.approx(0.01), pytest.approx(0.03)]
     assert "eval_loss_vs_twin" not in summary
@@ -316,3 +341,27 @@ def test_merge_refuses_runs_that_do_not_compare() -> None:
         merge_results([("a.json", base), ("b.json", _result([late]))])
     with pytest.raises(SystemExit, match="format None"):
         merge_results([("a.json", base), ("b.json", {"format": None})])
+
+
+def test_each_bottleneck_is_compared_with_the_twin_that_re_embeds_as_many_tokens() -> None:
+    old = _result([_run("lossless", 0, 2.0), _run("twin-k32-lossless", 0, 1.9, 32),
+                   _run("bottleneck-k4-int8", 0, 1.995, 4)])  # fmt: skip
+    new = _result(
+        [_run("twin-k32-lossless, re-embeds the last 4 tokens", 0, 1.8, 32, recent=4),
+         _run("bottleneck-k4-int8, re-embeds the last 4 tokens", 0, 1.854, 4, recent=4),
+         _run("bottleneck-k8-int8", 0, 1.938, 8, recent=1)],
+        model={"d_model": 32, "bottleneck_recent": 1},  # the default, written out
+        command="swarmpipe bench convergence --bottleneck-recent 4",
+    )  # fmt: skip
+    merged = merge_results([("old.json", old), ("new.json", new)])
+    summary = merged["summary"]
+    assert summary["bottleneck-k4-int8"]["eval_loss_vs_twin"] == pytest.approx(0.05)
+    assert summary["bottleneck-k8-int8"]["eval_loss_vs_twin"] == pytest.approx(0.02)
+    four = summary["bottleneck-k4-int8, re-embeds the last 4 tokens"]
+    assert four["eval_loss_vs_twin"] == pytest.approx(0.03)
+    assert merged["model"]["bottleneck_recent"] == 1 and merged["model"]["d_model"] == 32
+    # A file whose whole model re-embedded more is another model, and is refused.
+    other = _result([_run("lossless", 1, 2.0)], model={"d_model": 32, "bottleneck_recent": 4},
+                    train={"seed": 1, "lr": 1e-3})  # fmt: skip
+    with pytest.raises(SystemExit, match=r"other.json: model is .*'bottleneck_recent': 4"):
+        merge_results([("old.json", old), ("other.json", other)])

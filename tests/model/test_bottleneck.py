@@ -20,9 +20,21 @@ from swarmpipe.model import (
 SMALL = ["model.n_layers=4", "model.d_model=32", "model.n_heads=2", "model.context=16"]
 
 
-@pytest.mark.parametrize(("k", "stages"), [(4, 3), (32, 3), (1, 2), (8, 6)])
-def test_stages_build_the_whole_bottleneck_model_and_compute_the_same(k: int, stages: int) -> None:
-    config = load_config(None, [*SMALL, f"model.bottleneck={k}", f"pipeline.stages={stages}"])
+@pytest.mark.parametrize(
+    ("k", "stages", "recent"), [(4, 3, 1), (32, 3, 1), (1, 2, 1), (8, 6, 1), (4, 3, 4), (32, 2, 16)]
+)
+def test_stages_build_the_whole_bottleneck_model_and_compute_the_same(
+    k: int, stages: int, recent: int
+) -> None:
+    config = load_config(
+        None,
+        [
+            *SMALL,
+            f"model.bottleneck={k}",
+            f"pipeline.stages={stages}",
+            f"model.bottleneck_recent={recent}",
+        ],
+    )
     full = build_full_model(config)
     parts = [build_stage(config, s) for s in range(stages)]
     # A down-projection ends every stage but the last, an up-projection starts every one but
@@ -59,6 +71,33 @@ def test_the_full_width_twin_starts_as_identity_plus_a_re_added_embedding() -> N
     x = torch.randn(2, 16, 32)
     tokens = torch.randint(0, 256, (2, 16))
     assert torch.equal(up(down(x), tokens), x + up.embed(tokens))
+
+
+def test_a_boundary_re_embeds_exactly_the_latest_tokens_it_is_asked_for() -> None:
+    one = load_config(None, [*SMALL, "model.bottleneck=4", "pipeline.stages=2"])
+    four = load_config(None, [*SMALL, "model.bottleneck=4", "pipeline.stages=2",
+                              "model.bottleneck_recent=4"])  # fmt: skip
+    up1, up4 = build_stage(one, 1)[0], build_stage(four, 1)[0]
+    assert isinstance(up1, BottleneckUp) and isinstance(up4, BottleneckUp)
+    # R = 1 is the boundary as it always was; R = 4 adds a table of vocab + 1 rows for each
+    # of the three earlier offsets and leaves the tables R = 1 had as they were.
+    assert up1.recent is None and up4.recent is not None
+    assert tuple(up4.recent.weight.shape) == (3 * 257, 32)
+    for a, b in zip(up1.parameters(), [up4.up.weight, *up4.embed.parameters()], strict=True):
+        assert torch.equal(a, b)
+    z = torch.randn(1, 16, 4)
+    tokens = torch.randint(0, 256, (1, 16))
+    base = up4(z, tokens)
+    # Position t sees tokens t-3..t: changing token 5 changes positions 5..8 and no other.
+    changed = tokens.clone()
+    changed[0, 5] = (changed[0, 5] + 1) % 256
+    moved = (up4(z, changed) != base).any(dim=2)[0]
+    assert moved.nonzero().flatten().tolist() == [5, 6, 7, 8]
+    # Before the first token an offset looks up its own "no token" row, not token 0's.
+    zeros = torch.zeros(1, 16, dtype=torch.int64)
+    table = up4.recent.weight
+    expected = up4.embed(zeros)[0, 0] + table[256] + table[257 + 256] + table[2 * 257 + 256]
+    assert torch.allclose(up4(torch.zeros(1, 16, 4), zeros)[0, 0], expected)
 
 
 def test_a_narrow_boundary_starts_as_a_copy_of_k_coordinates() -> None:
@@ -128,6 +167,11 @@ def test_without_the_option_the_model_has_no_boundaries() -> None:
         (["model.bottleneck=4", "model.factory=pkg.mod:fn"], "built-in GPT only"),
         (["model.bottleneck_lr_scale=0"], "model.bottleneck_lr_scale=0.0 must be positive"),
         (["model.bottleneck_lr_scale=nan"], "must be positive"),
+        (
+            ["model.bottleneck_recent=0"],
+            r"model.bottleneck_recent=0 must be in 1..model.context=16",
+        ),
+        (["model.bottleneck_recent=17"], "must be in 1..model.context=16"),
     ],
 )
 def test_bad_bottleneck_settings_are_config_errors(settings: list[str], message: str) -> None:
