@@ -67,6 +67,11 @@ class BottleneckUp(nn.Module):
         self.recent = (
             nn.Embedding(self.offsets * (cfg.vocab + 1), cfg.d_model) if self.offsets else None
         )
+        # Where each offset's table starts in `recent`; built once, moved with the module.
+        self.table_start: torch.Tensor
+        self.register_buffer(
+            "table_start", torch.arange(self.offsets) * (cfg.vocab + 1), persistent=False
+        )  # [R - 1]
 
     def forward(self, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.up(z) + self.embed(tokens)  # [B, T, D]
@@ -74,8 +79,7 @@ class BottleneckUp(nn.Module):
             # ids[:, t, j] is the token j + 1 places before t, or `vocab` before the start.
             padded = F.pad(tokens, (self.offsets, 0), value=self.vocab)  # [B, T + R - 1]
             ids = padded.unfold(1, self.offsets, 1)[:, :-1].flip(2)  # [B, T, R - 1]
-            table = torch.arange(self.offsets, device=tokens.device) * (self.vocab + 1)  # [R - 1]
-            out = out + self.recent(ids + table).sum(dim=2)  # [B, T, D]
+            out = out + self.recent(ids + self.table_start).sum(dim=2)  # [B, T, D]
         return out
 
 
