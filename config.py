@@ -122,6 +122,12 @@ class ModelConfig:
                 f"model.bottleneck_recent={self.bottleneck_recent} must be in "
                 f"1..model.context={self.context}"
             )
+        if self.bottleneck_recent > 1 and not self.bottleneck:
+            raise ConfigError(
+                f"model.bottleneck_recent={self.bottleneck_recent} re-embeds tokens after a "
+                "bottleneck boundary, and model.bottleneck is 0; set model.bottleneck too, or "
+                "leave bottleneck_recent at 1"
+            )
         if self.bottleneck and self.factory:
             raise ConfigError(
                 "model.bottleneck works with the built-in GPT only; a model.factory model "

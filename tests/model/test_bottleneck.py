@@ -171,7 +171,11 @@ def test_without_the_option_the_model_has_no_boundaries() -> None:
             ["model.bottleneck_recent=0"],
             r"model.bottleneck_recent=0 must be in 1..model.context=16",
         ),
-        (["model.bottleneck_recent=17"], "must be in 1..model.context=16"),
+        (
+            ["model.bottleneck=4", "model.bottleneck_recent=17"],
+            "must be in 1..model.context=16",
+        ),
+        (["model.bottleneck_recent=4"], "model.bottleneck is 0; set model.bottleneck too"),
     ],
 )
 def test_bad_bottleneck_settings_are_config_errors(settings: list[str], message: str) -> None:
