@@ -19,8 +19,8 @@ EXIT_COORDINATOR_UNREACHABLE = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from swarmpipe import link_control
     from swarmpipe.bench import main as bench_main
+    from swarmpipe.control import link_control
     from swarmpipe.coordinator import main as coordinator_main
     from swarmpipe.node import main as node_main
     from swarmpipe.testnet import main as testnet_main
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from swarmpipe.logs import configure_logging
+    from swarmpipe.process.logs import configure_logging
 
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, who=args.command)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmpipe.errors import ConfigError
-from swarmpipe.node.link_limit import MBIT, check_limit
+from swarmpipe.transport.limits import MBIT, check_limit
 
 # Config names of the codecs and the schema enum each maps to (see protos/tensor.proto).
 _CODEC_ENUMS = {

@@ -467,7 +467,7 @@ def _start_worker(threads: int, log_level: int) -> None:
     """A worker process's setup: its torch threads, and logging (it is an entry point)."""
     import torch
 
-    from swarmpipe.logs import configure_logging
+    from swarmpipe.process.logs import configure_logging
 
     configure_logging(logging.getLevelName(log_level), who="bench convergence")
     torch.set_num_threads(threads)

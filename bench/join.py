@@ -29,8 +29,8 @@ from typing import Any
 import grpc
 
 from swarmpipe.config import add_config_arguments, load_config
+from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.ready import poll_until, read_ready_file, wait_ready_file
 from swarmpipe.testnet.processes import Child, ProcessGroup
 
 START_TIMEOUT_S = 120.0

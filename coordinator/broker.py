@@ -13,8 +13,8 @@ from typing import Any
 
 from amqtt.broker import Broker
 
+from swarmpipe.control.bus import BrokerAddress
 from swarmpipe.errors import SwarmpipeError
-from swarmpipe.mqtt_bus import BrokerAddress
 
 logger = logging.getLogger(__name__)
 

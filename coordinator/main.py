@@ -13,12 +13,12 @@ import os
 import signal
 
 from swarmpipe.config import add_config_arguments, load_config
+from swarmpipe.control.bus import BrokerAddress, parse_broker_url
 from swarmpipe.coordinator.broker import EmbeddedBroker
 from swarmpipe.coordinator.service import CoordinatorService
-from swarmpipe.mqtt_bus import BrokerAddress, parse_broker_url
+from swarmpipe.process.ready import write_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.ready import write_ready_file
-from swarmpipe.rpc import bind, create_server, enable_health_and_reflection
+from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
 logger = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from pathlib import Path
 import aiomqtt
 import grpc
 
-from swarmpipe.checkpoints import CheckpointStore, CheckpointWriter, state_messages
 from swarmpipe.config import RunConfig, codec_enum, codec_name
+from swarmpipe.control.bus import BrokerAddress, Topics, make_client
 from swarmpipe.coordinator.membership import Member, Membership
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.errors import PeerError
-from swarmpipe.mqtt_bus import BrokerAddress, Topics, make_client
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
+from swarmpipe.storage.checkpoints import CheckpointStore, CheckpointWriter, state_messages
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from swarmpipe.checkpoints import CheckpointStore, state_messages
 from swarmpipe.errors import PeerError
 from swarmpipe.node.compute import BACKWARD
 from swarmpipe.node.stage_state import ReceivedState, StateReceiver, StateSnapshot
 from swarmpipe.protos import coordinator_pb2, state_pb2
+from swarmpipe.storage.checkpoints import CheckpointStore, state_messages
 
 if TYPE_CHECKING:
     from swarmpipe.node.daemon import NodeDaemon

@@ -31,14 +31,12 @@ import torch
 
 from swarmpipe import __version__
 from swarmpipe.config import RunConfig, codec_enum
+from swarmpipe.control.bus import BrokerAddress, Topics, make_client, parse_broker_url
+from swarmpipe.control.link_control import LinkSettings, describe
 from swarmpipe.errors import CoordinatorUnavailable, PeerError, SwarmpipeError
-from swarmpipe.link_control import LinkSettings, describe
-from swarmpipe.logs import set_log_identity
-from swarmpipe.mqtt_bus import BrokerAddress, Topics, make_client, parse_broker_url
 from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.head import Head
-from swarmpipe.node.link_limit import MBIT
 from swarmpipe.node.links import Links
 from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import Router
@@ -46,6 +44,8 @@ from swarmpipe.node.server import StageServicer
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.state_transfer import StateTransfer
 from swarmpipe.node.transport import EncodeOptions, LinkStats
+from swarmpipe.process.logs import set_log_identity
+from swarmpipe.process.ready import write_ready_file
 from swarmpipe.protos import (
     control_pb2,
     coordinator_pb2,
@@ -53,8 +53,8 @@ from swarmpipe.protos import (
     stage_pb2,
     stage_pb2_grpc,
 )
-from swarmpipe.ready import write_ready_file
-from swarmpipe.rpc import bind, create_server, enable_health_and_reflection, open_channel
+from swarmpipe.transport.limits import MBIT
+from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection, open_channel
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 
-from swarmpipe.ready import write_ready_file
+from swarmpipe.process.ready import write_ready_file
 
 logger = logging.getLogger(__name__)
 

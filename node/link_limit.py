@@ -26,35 +26,6 @@ import math
 import time
 from collections.abc import Callable
 
-from swarmpipe.errors import ConfigError
-
-MBIT = 1e6 / 8
-"""Bytes per second in one Mbit/s."""
-
-MIN_LIMIT = 1e3 / 8
-"""The slowest send limit accepted, 1 kbit/s, in bytes per second: a 1 MiB chunk already
-takes over two hours at that rate, so anything slower is a typo, not an experiment."""
-
-MAX_LIMIT = 10e12 / 8
-"""The fastest send limit accepted, 10 Tbit/s, in bytes per second: beyond any real link, so
-a larger figure is a unit mistake (bits for bytes, kbit for Mbit)."""
-
-
-def check_limit(bytes_per_second: float, *, what: str = "") -> float:
-    """`bytes_per_second` if it is a usable send limit (0: none), else a ConfigError.
-
-    `what` names the setting in the message (e.g. "pipeline.link_mbit=1e+09").
-    """
-    if bytes_per_second == 0 or (
-        math.isfinite(bytes_per_second) and MIN_LIMIT <= bytes_per_second <= MAX_LIMIT
-    ):
-        return bytes_per_second
-    what = what or f"a send limit of {bytes_per_second / MBIT:g} Mbit/s"
-    raise ConfigError(
-        f"{what} is out of range: give 0 (no limit) or {MIN_LIMIT / MBIT:g} to "
-        f"{MAX_LIMIT / MBIT:g} Mbit/s (1 kbit/s to 10 Tbit/s)"
-    )
-
 
 class TokenBucket:
     """Paces the bytes one node sends to one peer to `bytes_per_second`, chunk by chunk.

@@ -32,10 +32,11 @@ import torch
 from swarmpipe.compression import EncoderState
 from swarmpipe.compression.link_choice import CodecChooser, candidates, wire_bytes
 from swarmpipe.config import codec_name
-from swarmpipe.node.link_limit import TokenBucket, check_limit
+from swarmpipe.node.link_limit import TokenBucket
 from swarmpipe.node.link_meter import BandwidthMeter, RecentMedian
 from swarmpipe.node.transport import EncodeOptions
 from swarmpipe.protos import control_pb2
+from swarmpipe.transport.limits import check_limit
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ import argparse
 import asyncio
 import signal
 
+from swarmpipe.control.link_control import ALL
 from swarmpipe.errors import ConfigError
-from swarmpipe.link_control import ALL
 from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
-from swarmpipe.node.link_limit import MBIT, check_limit
+from swarmpipe.transport.limits import MBIT, check_limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

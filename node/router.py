@@ -33,7 +33,7 @@ from swarmpipe.node.links import Links
 from swarmpipe.node.peer_health import PeerHealth
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
-from swarmpipe.rpc import open_channel
+from swarmpipe.transport.rpc import open_channel
 
 logger = logging.getLogger(__name__)
 

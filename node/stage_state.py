@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmpipe.checkpoints import CHUNK_BYTES, StateStream, start_digest, tensor_bytes
 from swarmpipe.compression.codec import DTYPES, dtype_enum
 from swarmpipe.errors import PeerError
 from swarmpipe.protos import state_pb2
+from swarmpipe.storage.checkpoints import CHUNK_BYTES, StateStream, start_digest, tensor_bytes
 
 if sys.byteorder != "little":  # the payload is raw little-endian bytes
     raise ImportError("swarmpipe's state transfer needs a little-endian machine")

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from swarmpipe.checkpoints import state_messages
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD
 from swarmpipe.node.stage_state import ReceivedState, StateReceiver, StateSnapshot
 from swarmpipe.protos import coordinator_pb2, stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
+from swarmpipe.storage.checkpoints import state_messages
 
 if TYPE_CHECKING:
     from swarmpipe.node.daemon import NodeDaemon

@@ -14,7 +14,7 @@ with that name, the same id as a killed one (it rejoins) or a fresh one. T is
 on (`link all=0.5@20s` every node; `=0` no limit), and `link NODE=off@T`
 withdraws that setting, so the node goes back to the limit it started with
 (`--link-mbit`, usually none). It is the same retained MQTT message
-`swarmpipe link-limit` publishes (see link_control.py), so it reaches the
+`swarmpipe link-limit` publishes (see control/link_control.py), so it reaches the
 nodes as a real organiser's would; the testnet clears it when the run ends.
 
 `--churn-random RATE --churn-seed S` adds kills at random: a Poisson process
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarmpipe.errors import ConfigError
-from swarmpipe.node.link_limit import MBIT, check_limit
+from swarmpipe.transport.limits import MBIT, check_limit
 
 _WHEN = r"\s*@\s*(?:(\d+(?:\.\d+)?)s|step(\d+))$"
 _EVENT = re.compile(r"^(kill|start)\s+([A-Za-z0-9_.-]{1,64})" + _WHEN)

@@ -26,16 +26,16 @@ from typing import Any
 
 import grpc
 
-from swarmpipe import link_control
 from swarmpipe.config import RunConfig, add_config_arguments, load_config
+from swarmpipe.control import link_control
+from swarmpipe.control.bus import parse_broker_url
 from swarmpipe.errors import ConfigError, SwarmpipeError
-from swarmpipe.mqtt_bus import parse_broker_url
-from swarmpipe.node.link_limit import MBIT
+from swarmpipe.process.ready import wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.ready import wait_ready_file
-from swarmpipe.rpc import open_channel
 from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
 from swarmpipe.testnet.processes import Child, ProcessGroup
+from swarmpipe.transport.limits import MBIT
+from swarmpipe.transport.rpc import open_channel
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from swarmpipe.ready import poll_until, read_ready_file, wait_ready_file
+from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from swarmpipe.cli import build_parser
+from swarmpipe.control.bus import Topics
+from swarmpipe.control.link_control import ALL, LinkSettings, decode, describe, encode
 from swarmpipe.errors import ConfigError, PeerError
-from swarmpipe.link_control import ALL, LinkSettings, decode, describe, encode
-from swarmpipe.mqtt_bus import Topics
-from swarmpipe.node.link_limit import MBIT
 from swarmpipe.protos import control_pb2
+from swarmpipe.transport.limits import MBIT
 
 
 def test_control_topics_are_per_node_and_all() -> None:

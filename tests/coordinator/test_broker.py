@@ -6,8 +6,8 @@ import asyncio
 
 import aiomqtt
 
+from swarmpipe.control.bus import BrokerAddress, make_client
 from swarmpipe.coordinator.broker import EmbeddedBroker
-from swarmpipe.mqtt_bus import BrokerAddress, make_client
 
 
 async def _join(address: BrokerAddress, name: str, delay: float) -> None:

@@ -20,8 +20,8 @@ import torch
 
 from swarmpipe.config import load_config
 from swarmpipe.model.reference import train_single_process
+from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.ready import poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

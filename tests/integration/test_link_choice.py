@@ -14,9 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
-from swarmpipe.mqtt_bus import Topics, make_client, parse_broker_url
+from swarmpipe.control.bus import Topics, make_client, parse_broker_url
+from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.ready import poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

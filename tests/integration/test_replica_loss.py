@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
+from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.ready import poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

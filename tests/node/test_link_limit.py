@@ -9,7 +9,8 @@ import time
 import pytest
 
 from swarmpipe.errors import ConfigError
-from swarmpipe.node.link_limit import MAX_LIMIT, MBIT, MIN_LIMIT, TokenBucket, check_limit
+from swarmpipe.node.link_limit import TokenBucket
+from swarmpipe.transport.limits import MAX_LIMIT, MBIT, MIN_LIMIT, check_limit
 
 
 class FakeClock:

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from swarmpipe.compression import encode_tensor, iter_chunks
-from swarmpipe.mqtt_bus import parse_broker_url
+from swarmpipe.control.bus import parse_broker_url
+from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
-from swarmpipe.ready import poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -21,7 +21,7 @@ from swarmpipe.node.daemon import NodeDaemon, NodeOptions
 from swarmpipe.node.server import StageServicer
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.protos import control_pb2, stage_pb2_grpc
-from swarmpipe.rpc import bind, create_server
+from swarmpipe.transport.rpc import bind, create_server
 
 TINY = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.context=8"]
 

@@ -21,7 +21,7 @@ from swarmpipe.node.router import HopError, Router
 from swarmpipe.node.server import read_forward_request
 from swarmpipe.node.transport import EncodeOptions, LinkStats, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
-from swarmpipe.rpc import bind, create_server
+from swarmpipe.transport.rpc import bind, create_server
 
 LOSSLESS = tensor_pb2.CODEC_LOSSLESS
 

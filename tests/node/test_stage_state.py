@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmpipe.checkpoints import CheckpointStore, StateStream, state_messages, tensor_bytes
 from swarmpipe.config import RunConfig, load_config
 from swarmpipe.errors import PeerError
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.stage_state import StateReceiver, StateSnapshot
 from swarmpipe.protos import state_pb2, tensor_pb2
+from swarmpipe.storage.checkpoints import CheckpointStore, StateStream, state_messages, tensor_bytes
 
 TINY = ["model.n_layers=4", "model.d_model=32", "model.n_heads=2", "model.context=32"]
 

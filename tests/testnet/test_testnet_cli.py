@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmpipe.ready import poll_until, read_ready_file
+from swarmpipe.process.ready import poll_until, read_ready_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -26,10 +26,10 @@ import re
 import aiomqtt
 from google.protobuf.message import DecodeError
 
+from swarmpipe.control.bus import BrokerAddress, Topics, make_client, parse_broker_url
 from swarmpipe.errors import ConfigError, PeerError, SwarmpipeError
-from swarmpipe.mqtt_bus import BrokerAddress, Topics, make_client, parse_broker_url
-from swarmpipe.node.link_limit import MBIT, check_limit
 from swarmpipe.protos import control_pb2
+from swarmpipe.transport.limits import MBIT, check_limit
 
 logger = logging.getLogger(__name__)
 

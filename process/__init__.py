@@ -1,0 +1,1 @@
+"""What every swarmpipe process shares: log identity (`logs`) and ready files (`ready`)."""

@@ -1,0 +1,1 @@
+"""What outlives a process: the stage checkpoint store and its checked byte stream."""
