@@ -17,18 +17,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from swarmpipe.errors import PeerError
 from swarmpipe.node.compute import BACKWARD
+from swarmpipe.node.context import StageContext
 from swarmpipe.node.stage_state import ReceivedState, StateReceiver, StateSnapshot
 from swarmpipe.protos import coordinator_pb2, state_pb2
 from swarmpipe.storage.checkpoints import CheckpointStore, state_messages
-
-if TYPE_CHECKING:
-    from swarmpipe.node.daemon import NodeDaemon
 
 logger = logging.getLogger(__name__)
 
@@ -38,30 +36,24 @@ UPLOAD_TIMEOUT_S = 900.0
 class Checkpointer:
     """Saves this stage's state every few steps and reads back the latest one."""
 
-    def __init__(self, daemon: NodeDaemon) -> None:
-        self.daemon = daemon
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
         self._upload: asyncio.Task[None] | None = None
 
     def _store(self) -> CheckpointStore | None:
         """The shared folder store, or None when checkpoints go through the coordinator."""
-        config = self.daemon.config
-        assert config is not None
+        config = self.ctx.config
         c = config.checkpoint
         return CheckpointStore(c.dir, config.run_id, keep=c.keep) if c.dir else None
 
     def _is_checkpointer(self) -> bool:
-        d = self.daemon
-        plan = d.router.plan
-        if plan is None or not 0 <= d.stage < len(plan.stages):
-            return False
-        replicas = sorted(r.node_id for r in plan.stages[d.stage].replicas)
-        return bool(replicas) and replicas[0] == d.node_id
+        replicas = sorted(node for node, _ in self.ctx.replicas())
+        return bool(replicas) and replicas[0] == self.ctx.node_id
 
     async def after_step(self, step: int) -> None:
         """Called once the stage holds the state of `step` (the step just applied + 1)."""
-        d = self.daemon
+        d = self.ctx
         config, runtime = d.config, d.runtime
-        assert config is not None and runtime is not None
         every = config.checkpoint.every_steps
         if not every or step % every or not self._is_checkpointer():
             return
@@ -72,14 +64,14 @@ class Checkpointer:
         self._upload = asyncio.create_task(self._save(snapshot))
 
     async def _save(self, snapshot: StateSnapshot) -> None:
-        d = self.daemon
+        d = self.ctx
         try:
             await asyncio.to_thread(snapshot.seal)
             store = self._store()
             if store is not None:
                 where = await asyncio.to_thread(_write_to_folder, store, snapshot)
             else:
-                reply = await d.coordinator.PutCheckpoint(
+                reply = await d.coordinator.stub.PutCheckpoint(
                     _aiter(state_messages(snapshot.manifest, snapshot.chunks())),
                     timeout=UPLOAD_TIMEOUT_S,
                 )
@@ -97,9 +89,8 @@ class Checkpointer:
 
     async def restore(self) -> ReceivedState | None:
         """The stage's latest checkpoint, checked against this stage; None when there is none."""
-        d = self.daemon
+        d = self.ctx
         config, runtime = d.config, d.runtime
-        assert config is not None and runtime is not None
 
         def receiver() -> StateReceiver:
             return StateReceiver(
@@ -114,7 +105,7 @@ class Checkpointer:
             return await asyncio.to_thread(_read_from_folder, store, d.stage, receiver)
         r = receiver()
         try:
-            call = d.coordinator.GetCheckpoint(
+            call = d.coordinator.stub.GetCheckpoint(
                 coordinator_pb2.GetCheckpointRequest(node_id=d.node_id, stage=d.stage),
                 timeout=UPLOAD_TIMEOUT_S,
             )

@@ -10,6 +10,11 @@ them and checkpoint every few steps, until the run is done, the node is
 drained, or it gets SIGTERM/SIGINT (drain in-flight work, then exit 0).
 Until it is accepted the node refuses microbatches and takes no part in
 the reduce: its parameters are not the stage's yet.
+
+The daemon owns the lifecycle and the MQTT session; the parts it builds after
+Join (head, Stage servicer, replica sync, state transfer, checkpointer) each
+get only the `StageContext` (node/context.py) and the parts they call, and
+the shared mutable state lives in one `NodeStatus`.
 """
 
 from __future__ import annotations
@@ -20,22 +25,21 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiomqtt
-import grpc
 import torch
 
 from swarmpipe import __version__
-from swarmpipe.config import RunConfig, codec_enum
+from swarmpipe.config import RunConfig
 from swarmpipe.control.bus import BrokerAddress, Topics, make_client, parse_broker_url
 from swarmpipe.control.link_control import LinkSettings, describe
-from swarmpipe.errors import CoordinatorUnavailable, PeerError, SwarmpipeError
+from swarmpipe.errors import PeerError, SwarmpipeError
 from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
+from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
 from swarmpipe.node.head import Head
 from swarmpipe.node.links import Links
 from swarmpipe.node.replica_sync import ReplicaSync
@@ -46,13 +50,7 @@ from swarmpipe.node.state_transfer import StateTransfer
 from swarmpipe.node.transport import EncodeOptions, LinkStats
 from swarmpipe.process.logs import set_log_identity
 from swarmpipe.process.ready import write_ready_file
-from swarmpipe.protos import (
-    control_pb2,
-    coordinator_pb2,
-    coordinator_pb2_grpc,
-    stage_pb2,
-    stage_pb2_grpc,
-)
+from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2, stage_pb2_grpc
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection, open_channel
 
@@ -63,7 +61,6 @@ STATUS_INTERVAL_S = 15.0
 # Tries to set up the MQTT session at start, 1, 2, 4 s apart.
 BUS_ATTEMPTS = 4
 DRAIN_TIMEOUT_S = 30.0
-COORDINATOR_RETRY_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,104 +95,74 @@ def _route_host(target_host: str) -> str:
             return "127.0.0.1"
 
 
+@dataclass(slots=True)
+class _Joined:
+    """The parts a node builds once it knows its stage."""
+
+    ctx: StageContext
+    replica_sync: ReplicaSync
+    state_transfer: StateTransfer
+    checkpointer: Checkpointer
+    head: Head | None
+
+
 class NodeDaemon:
+    """One node: its lifecycle, its MQTT session, and the parts it builds after Join."""
+
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
         self.node_id = options.node_id
-        self.stage = -1
-        self.config: RunConfig | None = None
-        self.runtime: StageRuntime | None = None
+        self.status = NodeStatus()
         self.compute = ComputeWorker()
         self.stats = LinkStats()
         self.links = Links()
         self.link_settings = LinkSettings(self.node_id)
         """The send limit from the start options and the run's LinkControl messages."""
         self.router = Router(self.node_id, self.stats, self.links)
-        self.activation_codec = 0
-        self.gradient_codec = 0
-        self.in_flight = 0
-        self.samples_processed = 0
-        self.microbatch_seconds: deque[float] = deque(maxlen=64)
-        self.started_at = time.monotonic()
         self._channel = open_channel(options.coordinator)
-        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._stop = asyncio.Event()
-        self._exit_reason = ""
-        self.failed = False
-        self._mqtt: aiomqtt.Client | None = None
+        self.coordinator = CoordinatorClient(self._channel, options.coordinator)
+        self.servicer = StageServicer(self.node_id, self.status)
+        self.joined: _Joined | None = None
         self._topics: Topics | None = None
-        self._head: Head | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._applying: set[int] = set()
-        self.replica_sync = ReplicaSync(self)
-        self.state_transfer = StateTransfer(self)
-        self.checkpointer = Checkpointer(self)
-        self.serving = False
-        """Accepted into the plan: holds the stage's state for the swarm's current step."""
         self._last_step_state: control_pb2.StepState | None = None
         self._ready_info: dict[str, Any] = {}
 
-    # -- coordinator calls ----------------------------------------------
+    @property
+    def failed(self) -> bool:
+        return self.status.failed
 
-    async def call_coordinator(self, method: str, request: Any, *, timeout: float = 10.0) -> Any:
-        """Call a coordinator RPC, retrying while it is unreachable (it may be restarting)."""
-        deadline = time.monotonic() + COORDINATOR_RETRY_S
-        delay = 0.1
-        while True:
-            try:
-                return await getattr(self.coordinator, method)(request, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ):
-                    raise
-                if time.monotonic() > deadline:
-                    raise CoordinatorUnavailable(
-                        f"the coordinator at {self.options.coordinator} stopped answering "
-                        f"({exc.code().name})"
-                    ) from exc
-                logger.debug("%s failed (%s); retrying", method, exc.code().name)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-
-    async def _join(self, address: str) -> coordinator_pb2.JoinReply:
-        request = coordinator_pb2.JoinRequest(
-            node_id=self.node_id, address=address, version=__version__
+    def _build(self, config: RunConfig, stage: int, runtime: StageRuntime) -> _Joined:
+        ctx = StageContext(
+            node_id=self.node_id,
+            stage=stage,
+            config=config,
+            runtime=runtime,
+            compute=self.compute,
+            links=self.links,
+            stats=self.stats,
+            router=self.router,
+            coordinator=self.coordinator,
+            status=self.status,
         )
-        deadline = time.monotonic() + self.options.join_timeout_s
-        last = ""
-        while time.monotonic() < deadline:
-            try:
-                reply: coordinator_pb2.JoinReply = await self.coordinator.Join(
-                    request,
-                    timeout=max(0.5, min(5.0, deadline - time.monotonic())),
-                    wait_for_ready=True,
-                )
-                return reply
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ):
-                    raise CoordinatorUnavailable(
-                        f"the coordinator at {self.options.coordinator} refused to let this node "
-                        f"join: {exc.details()}"
-                    ) from exc
-                last = exc.code().name
-                await asyncio.sleep(0.2)
-        raise CoordinatorUnavailable(
-            f"cannot reach the coordinator at {self.options.coordinator} within "
-            f"{self.options.join_timeout_s:.0f} s ({last or 'no answer'}); is it running, "
-            "and is the address right?"
+        checkpointer = Checkpointer(ctx)
+        joined = _Joined(
+            ctx=ctx,
+            replica_sync=ReplicaSync(ctx),
+            state_transfer=StateTransfer(ctx, checkpointer),
+            checkpointer=checkpointer,
+            head=None,
         )
+        self.servicer.attach(ctx, joined.replica_sync, joined.state_transfer)
+        return joined
 
     # -- lifecycle ------------------------------------------------------
 
     async def run(self) -> str:
         """Run until done, drained or stopped; returns why it stopped."""
         server = create_server()
-        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(self), server)
+        stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
         await enable_health_and_reflection(
             server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name]
         )
@@ -206,25 +173,28 @@ class NodeDaemon:
             host = self.options.advertise_host or self.options.listen.rpartition(":")[0]
             if host in ("", "0.0.0.0", "::", "[::]"):
                 host = _route_host(coord_host)
-            reply = await self._join(f"{host}:{port}")
+            reply = await self.coordinator.join(
+                coordinator_pb2.JoinRequest(
+                    node_id=self.node_id, address=f"{host}:{port}", version=__version__
+                ),
+                timeout_s=self.options.join_timeout_s,
+            )
             joined_at = time.time()
-            self.config = RunConfig.from_json(reply.run_config_json)
-            self.router.configure(self.config.pipeline)
-            self.stage = reply.stage
-            set_log_identity(f"node {self.node_id} stage {self.stage}")
-            self.activation_codec = codec_enum(self.config.pipeline.activation_codec)
-            self.gradient_codec = codec_enum(self.config.pipeline.gradient_codec)
+            config = RunConfig.from_json(reply.run_config_json)
+            stage = reply.stage
+            self.router.configure(config.pipeline)
+            set_log_identity(f"node {self.node_id} stage {stage}")
             link_mbit = self.options.link_mbit
             if link_mbit is None:
-                link_mbit = self.config.pipeline.link_mbit
+                link_mbit = config.pipeline.link_mbit
             self.link_settings.start_limit = link_mbit * MBIT
             self.links.configure(
                 limit_bytes_per_second=self.link_settings.limit,
-                options=EncodeOptions.from_pipeline(self.config.pipeline),
+                options=EncodeOptions.from_pipeline(config.pipeline),
             )
-            config, stage = self.config, self.stage
-            self.runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
-            n_params = sum(p.numel() for p in self.runtime.module.parameters())
+            runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
+            joined = self.joined = self._build(config, stage, runtime)
+            n_params = sum(p.numel() for p in runtime.module.parameters())
             logger.info(
                 "joined run %r as stage %d of %d (%d parameters), serving on %s:%d",
                 reply.run_id,
@@ -240,7 +210,7 @@ class NodeDaemon:
                 corpus = await asyncio.to_thread(
                     Corpus.load, config.data, config.model.context, config.train.seed
                 )
-                self._head = Head(self, corpus)
+                joined.head = Head(joined.ctx, corpus)
             broker_url = self.options.broker or reply.broker_url
             broker = parse_broker_url(broker_url)
             if broker.host in ("127.0.0.1", "0.0.0.0", "localhost") and coord_host not in (
@@ -270,15 +240,14 @@ class NodeDaemon:
                 retain=True,
             )
             async with self._open_bus(broker, self._topics, will) as client:
-                self._mqtt = client
                 self._spawn(self._read_mqtt(client))
                 self._spawn(self._telemetry_loop(client))
-                self._spawn(self._start_serving())
-                await self._stop.wait()
+                self._spawn(self._start_serving(joined))
+                await self.status.wait_stop()
                 await self._drain()
-                await self.checkpointer.close()
-                useful = max(time.monotonic() - self.started_at, 1e-9)
-                logger.info("leaving: %s", self.status_line(self.samples_processed / useful))
+                await joined.checkpointer.close()
+                useful = max(time.monotonic() - self.status.started_at, 1e-9)
+                logger.info("leaving: %s", self.status_line(self.status.samples_processed / useful))
                 await self._cancel_tasks()
                 try:
                     # A last report, so counters of a short run are not lost between ticks.
@@ -303,7 +272,7 @@ class NodeDaemon:
             await self.router.close()
             await self._channel.close()
             self.compute.close()
-        return self._exit_reason
+        return self.status.stop_reason
 
     @contextlib.asynccontextmanager
     async def _open_bus(
@@ -333,7 +302,7 @@ class NodeDaemon:
             except aiomqtt.MqttError as exc:
                 with contextlib.suppress(aiomqtt.MqttError):
                     await stack.aclose()
-                if attempt == BUS_ATTEMPTS or self._stop.is_set():
+                if attempt == BUS_ATTEMPTS or self.status.stopping:
                     raise SwarmpipeError(
                         f"cannot use the MQTT broker at {broker.url} ({attempt} attempt(s)): {exc}"
                     ) from exc
@@ -352,19 +321,19 @@ class NodeDaemon:
                 yield client
             return
 
-    async def _start_serving(self) -> None:
+    async def _start_serving(self, joined: _Joined) -> None:
         """Catch up with the swarm, then take traffic (and lead, on stage 0)."""
-        if not await self.state_transfer.join():
+        if not await joined.state_transfer.join():
             return
-        self.serving = True
+        self.status.start_serving()
         if self.options.ready_file:
-            self._ready_info.update(serving=True, **self.state_transfer.report)
+            self._ready_info.update(serving=True, **joined.state_transfer.report)
             write_ready_file(self.options.ready_file, self._ready_info)
         if self._last_step_state is not None:
             # An APPLY of the step it now serves may have come while it was syncing.
             self._on_step(self._last_step_state)
-        if self._head is not None:
-            self._spawn(self._head.run())
+        if joined.head is not None:
+            self._spawn(joined.head.run())
 
     async def _cancel_tasks(self) -> None:
         tasks = list(self._tasks)
@@ -374,11 +343,8 @@ class NodeDaemon:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def stop(self, reason: str, *, failed: bool = False) -> None:
-        if not self._stop.is_set():
-            self._exit_reason = reason
-            self.failed = failed
-            logger.info("stopping: %s", reason)
-            self._stop.set()
+        """Leave the run cleanly (signal handlers call this)."""
+        self.status.request_stop(reason, failed=failed)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -387,7 +353,7 @@ class NodeDaemon:
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if task.cancelled() or task.exception() is None or self._stop.is_set():
+        if task.cancelled() or task.exception() is None or self.status.stopping:
             return
         exc = task.exception()
         if isinstance(exc, aiomqtt.MqttError):
@@ -399,20 +365,26 @@ class NodeDaemon:
 
     async def _drain(self) -> None:
         """Let in-flight microbatches finish (bounded) before leaving."""
-        if self._head is not None:
-            self._head.stopping.set()
+        if self.joined is not None and self.joined.head is not None:
+            self.joined.head.stopping.set()
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while self.in_flight and time.monotonic() < deadline:
+        while self.status.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.in_flight:
+        if self.status.in_flight:
             logger.warning(
-                "left with %d microbatches in flight; they will be replayed", self.in_flight
+                "left with %d microbatches in flight; they will be replayed",
+                self.status.in_flight,
             )
 
     def _presence(self, *, online: bool) -> control_pb2.Presence:
         return control_pb2.Presence(
             node_id=self.node_id, online=online, stage=max(self.stage, 0), timestamp=time.time()
         )
+
+    @property
+    def stage(self) -> int:
+        """The stage this node serves; -1 before it has joined."""
+        return self.joined.ctx.stage if self.joined is not None else -1
 
     # -- MQTT -----------------------------------------------------------
 
@@ -459,26 +431,25 @@ class NodeDaemon:
 
     def _on_step(self, state: control_pb2.StepState) -> None:
         Phase = control_pb2.StepState
-        runtime = self.runtime
-        if runtime is None:
+        joined = self.joined
+        if joined is None:
             return
         self._last_step_state = state
         if state.phase == Phase.PHASE_DONE:
             self.stop("the run has finished")
-        elif not self.serving:
+        elif not self.status.serving:
             return  # a syncing node's state is not the stage's: it applies nothing
-        elif state.phase == Phase.PHASE_APPLY and state.step == runtime.step:
-            self._spawn(self._apply(state.step))
+        elif state.phase == Phase.PHASE_APPLY and state.step == joined.ctx.runtime.step:
+            self._spawn(self._apply(joined, state.step))
 
-    async def _apply(self, step: int) -> None:
-        runtime = self.runtime
-        assert runtime is not None
+    async def _apply(self, joined: _Joined, step: int) -> None:
+        runtime = joined.ctx.runtime
         if step in self._applying:
             return  # MQTT delivers at least once: this APPLY is already being handled
         self._applying.add(step)
         replicas = 1
         if runtime.outer is None:
-            reduced, replicas = await self.replica_sync.reduce(step)
+            reduced, replicas = await joined.replica_sync.reduce(step)
             samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
             how = f"{replicas} replica{'' if replicas == 1 else 's'}"
         else:
@@ -491,12 +462,12 @@ class NodeDaemon:
             )
             how = "local"
             if ends:
-                replicas = await self.replica_sync.average_parameters(step)
+                replicas = await joined.replica_sync.average_parameters(step)
                 how = f"local, then averaged over {replicas} replica{'' if replicas == 1 else 's'}"
-        self.state_transfer.step_advanced()
+        joined.state_transfer.step_advanced()
         digest = await self.compute.run(BACKWARD, runtime.parameter_digest)
         logger.info("applied step %d (%d samples, %s, params %s)", step, samples, how, digest)
-        await self.call_coordinator(
+        await self.coordinator.call(
             "StepDone",
             coordinator_pb2.StepDoneRequest(
                 node_id=self.node_id,
@@ -506,7 +477,7 @@ class NodeDaemon:
                 replicas=replicas,
             ),
         )
-        await self.checkpointer.after_step(step + 1)
+        await joined.checkpointer.after_step(step + 1)
 
     async def _telemetry_loop(self, client: aiomqtt.Client) -> None:
         assert self._topics is not None
@@ -517,8 +488,9 @@ class NodeDaemon:
         while True:
             await asyncio.sleep(TELEMETRY_INTERVAL_S)
             now = time.monotonic()
-            rate = 0.5 * rate + 0.5 * (self.samples_processed - last_samples) / (now - last_time)
-            last_samples, last_time = self.samples_processed, now
+            samples = self.status.samples_processed
+            rate = 0.5 * rate + 0.5 * (samples - last_samples) / (now - last_time)
+            last_samples, last_time = samples, now
             await client.publish(topic, self._telemetry(rate).SerializeToString(), qos=0)
             if now >= next_status:
                 next_status = now + STATUS_INTERVAL_S
@@ -526,12 +498,12 @@ class NodeDaemon:
 
     def status_line(self, rate: float) -> str:
         """The volunteer's one-line view: stage, throughput, traffic, time spent useful."""
-        useful = time.monotonic() - self.started_at
-        step = self.runtime.step if self.runtime else 0
+        useful = time.monotonic() - self.status.started_at
+        step = self.joined.ctx.runtime.step if self.joined is not None else 0
         return (
             f"stage {self.stage} | step {step} | {rate:.1f} samples/s | "
             f"up {self.stats.total_bytes() / 1e6:.1f} MB down "
-            f"{self.stats.received_bytes / 1e6:.1f} MB | {self.samples_processed} samples "
+            f"{self.stats.received_bytes / 1e6:.1f} MB | {self.status.samples_processed} samples "
             f"in {useful / 60:.1f} min"
         )
 
@@ -539,15 +511,15 @@ class NodeDaemon:
         return control_pb2.Telemetry(
             node_id=self.node_id,
             stage=self.stage,
-            samples=self.samples_processed,
+            samples=self.status.samples_processed,
             samples_per_second=rate,
-            in_flight=self.in_flight,
+            in_flight=self.status.in_flight,
             links=self.stats.snapshot(),
             timestamp=time.time(),
             link_estimates=self.links.snapshot(),
             compute_seconds_per_microbatch=self.links.compute.value or 0.0,
             compute_samples_per_second=(
-                self.samples_processed / self.compute.busy_seconds
+                self.status.samples_processed / self.compute.busy_seconds
                 if self.compute.busy_seconds > 0
                 else 0.0
             ),

@@ -22,13 +22,13 @@ import torch
 
 from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD, FORWARD
+from swarmpipe.node.context import StageContext
 from swarmpipe.node.router import HopError, HopResult
 from swarmpipe.node.token_ids import encode_token_ids, first_tokens_of
 from swarmpipe.protos import coordinator_pb2, stage_pb2
 
 if TYPE_CHECKING:
     from swarmpipe.data import Corpus
-    from swarmpipe.node.daemon import NodeDaemon
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,10 @@ LEASE_WAIT_S = 5.0
 
 
 class Head:
-    def __init__(self, daemon: NodeDaemon, corpus: Corpus) -> None:
-        self.daemon = daemon
+    """Leases samples and drives microbatches through the pipeline from stage 0."""
+
+    def __init__(self, ctx: StageContext, corpus: Corpus) -> None:
+        self.ctx = ctx
         self.corpus = corpus
         self.stopping = asyncio.Event()
         self.finished = asyncio.Event()
@@ -48,10 +50,8 @@ class Head:
 
     async def run(self) -> None:
         """Run the lease workers until the run is done or the node stops."""
-        assert self.daemon.config is not None
         workers = [
-            asyncio.create_task(self._worker(i))
-            for i in range(self.daemon.config.pipeline.in_flight)
+            asyncio.create_task(self._worker(i)) for i in range(self.ctx.config.pipeline.in_flight)
         ]
         try:
             await asyncio.gather(*workers)
@@ -61,11 +61,11 @@ class Head:
             self.finished.set()
 
     async def _worker(self, index: int) -> None:
-        d = self.daemon
+        d = self.ctx
         Reply = coordinator_pb2.LeaseReply
         while not self.stopping.is_set():
             try:
-                lease = await d.coordinator.Lease(
+                lease = await d.coordinator.stub.Lease(
                     coordinator_pb2.LeaseRequest(node_id=d.node_id, wait_seconds=LEASE_WAIT_S),
                     timeout=LEASE_WAIT_S + 10,
                 )
@@ -89,9 +89,8 @@ class Head:
         tokens: torch.Tensor,
         labels: torch.Tensor,
     ) -> stage_pb2.MicrobatchHeader:
-        d = self.daemon
+        d = self.ctx
         config = d.config
-        assert config is not None
         header = stage_pb2.MicrobatchHeader(
             microbatch_id=microbatch_id,
             step=lease.step,
@@ -118,49 +117,46 @@ class Head:
         if lease.eval:
             await self._evaluate(lease)
             return
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
-        assert runtime is not None
         tokens, labels = self.corpus.samples(lease.sample_start, lease.sample_count)
         microbatch_id = f"{lease.step}:{lease.sample_start}:{lease.sample_count}"
         header = self._header(lease, microbatch_id, tokens, labels)
         key = uuid.uuid4().hex
-        d.in_flight += 1
         started = time.perf_counter()
-        try:
-            if runtime.is_last:  # a one-stage run: the head is the whole model
-                last = await d.compute.run(
-                    FORWARD, lambda: runtime.forward_last(microbatch_id, tokens, labels)
-                )
-                loss_sum, n_tokens = last.loss_sum, last.tokens
-            else:
-                output, forward_s = await d.compute.run_timed(
-                    FORWARD, lambda: runtime.forward(key, microbatch_id, tokens)
-                )
-                hop = await self._send_with_retries(header, output)
-                if hop is None:
-                    await self._release(lease, "every attempt to send it downstream failed")
-                    return
-                await fault_points.reach("head.hop_done", lease.step)
-                grad = hop.grad_input
-                assert grad is not None
-                _, backward_s = await d.compute.run_timed(
-                    BACKWARD, lambda: runtime.backward(key, grad)
-                )
-                d.links.record_compute(forward_s + backward_s)
-                loss_sum, n_tokens = hop.result.loss_sum, hop.result.tokens
-        finally:
-            d.in_flight -= 1
-            await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
-        d.samples_processed += lease.sample_count
-        d.microbatch_seconds.append(time.perf_counter() - started)
+        with d.status.track_microbatch():
+            try:
+                if runtime.is_last:  # a one-stage run: the head is the whole model
+                    last = await d.compute.run(
+                        FORWARD, lambda: runtime.forward_last(microbatch_id, tokens, labels)
+                    )
+                    loss_sum, n_tokens = last.loss_sum, last.tokens
+                else:
+                    output, forward_s = await d.compute.run_timed(
+                        FORWARD, lambda: runtime.forward(key, microbatch_id, tokens)
+                    )
+                    hop = await self._send_with_retries(header, output)
+                    if hop is None:
+                        await self._release(lease, "every attempt to send it downstream failed")
+                        return
+                    await fault_points.reach("head.hop_done", lease.step)
+                    grad = hop.grad_input
+                    assert grad is not None
+                    _, backward_s = await d.compute.run_timed(
+                        BACKWARD, lambda: runtime.backward(key, grad)
+                    )
+                    d.links.record_compute(forward_s + backward_s)
+                    loss_sum, n_tokens = hop.result.loss_sum, hop.result.tokens
+            finally:
+                await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
+        d.status.count_samples(lease.sample_count, seconds=time.perf_counter() - started)
         await self._commit(lease, loss_sum, n_tokens)
 
     async def _commit(
         self, lease: coordinator_pb2.LeaseReply, loss_sum: float, tokens: int
     ) -> None:
-        d = self.daemon
-        reply = await d.call_coordinator(
+        d = self.ctx
+        reply = await d.coordinator.call(
             "Commit",
             coordinator_pb2.CommitRequest(
                 node_id=d.node_id, lease_id=lease.lease_id, loss_sum=loss_sum, tokens=tokens
@@ -171,9 +167,8 @@ class Head:
 
     async def _evaluate(self, lease: coordinator_pb2.LeaseReply) -> None:
         """An evaluation lease: held-out samples forward through the pipeline, loss committed."""
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
-        assert runtime is not None
         if lease.sample_start >= self.corpus.n_holdout:
             # train.eval_samples asks for more than the corpus holds out: evaluate what
             # there is, and commit the rest as empty so the step can end.
@@ -188,8 +183,7 @@ class Head:
             return
         tokens, labels = self.corpus.heldout_range(lease.sample_start, lease.sample_count)
         microbatch_id = f"eval:{lease.step}:{lease.sample_start}:{lease.sample_count}"
-        d.in_flight += 1
-        try:
+        with d.status.track_microbatch():
             if runtime.is_last:
                 last = await d.compute.run(FORWARD, lambda: runtime.evaluate_last(tokens, labels))
                 loss_sum, n_tokens = last.loss_sum, last.tokens
@@ -201,16 +195,12 @@ class Head:
                     await self._release(lease, "every attempt to send it downstream failed")
                     return
                 loss_sum, n_tokens = hop.result.loss_sum, hop.result.tokens
-        finally:
-            d.in_flight -= 1
         await self._commit(lease, loss_sum, n_tokens)
 
     async def _send_with_retries(
         self, header: stage_pb2.MicrobatchHeader, output: torch.Tensor
     ) -> HopResult | None:
-        d = self.daemon
-        config = d.config
-        assert config is not None
+        d = self.ctx
         try:
             return await d.router.send_rerouting(
                 1,
@@ -234,7 +224,7 @@ class Head:
             return None
 
     async def _release(self, lease: coordinator_pb2.LeaseReply, reason: str) -> None:
-        d = self.daemon
+        d = self.ctx
         logger.error(
             "microbatch of lease %d (samples %d+%d) not finished: %s; released for replay",
             lease.lease_id,
@@ -242,7 +232,7 @@ class Head:
             lease.sample_count,
             reason,
         )
-        await d.call_coordinator(
+        await d.coordinator.call(
             "Release",
             coordinator_pb2.ReleaseRequest(
                 node_id=d.node_id, lease_id=lease.lease_id, reason=reason

@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -45,12 +44,10 @@ from swarmpipe.config import codec_enum
 from swarmpipe.errors import PeerError
 from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD
+from swarmpipe.node.context import StageContext
 from swarmpipe.node.links import Transfer
 from swarmpipe.node.transport import EncodedTensor, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
-
-if TYPE_CHECKING:
-    from swarmpipe.node.daemon import NodeDaemon
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +65,10 @@ class _Round:
 
 
 class ReplicaSync:
-    def __init__(self, daemon: NodeDaemon) -> None:
-        self.daemon = daemon
+    """Sums the stage's gradients (or DiLoCo deltas) with its other replicas at each APPLY."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
         self._rounds: dict[tuple[int, bool], _Round] = {}
         self._arrived = asyncio.Event()
         # With a topk or lowrank reduce_codec: what it dropped from this replica's sums,
@@ -78,15 +77,7 @@ class ReplicaSync:
 
     def _peers(self) -> dict[str, str]:
         """Other live replicas of this node's stage in the current plan: node id -> address."""
-        plan = self.daemon.router.plan
-        stage = self.daemon.stage
-        if plan is None or not 0 <= stage < len(plan.stages):
-            return {}
-        return {
-            r.node_id: r.address
-            for r in plan.stages[stage].replicas
-            if r.node_id != self.daemon.node_id
-        }
+        return {node: address for node, address in self.ctx.replicas() if node != self.ctx.node_id}
 
     def _round(self, step: int, delta: bool) -> _Round:
         key = (step, delta)
@@ -98,8 +89,7 @@ class ReplicaSync:
         return self._rounds[key]
 
     def _check_step(self, step: int, delta: bool) -> None:
-        runtime = self.daemon.runtime
-        assert runtime is not None
+        runtime = self.ctx.runtime
         # Both exchanges happen before the step number moves past `step` (a
         # DiLoCo round's last inner step leaves it for the outer step to move).
         if step != runtime.step:
@@ -111,9 +101,7 @@ class ReplicaSync:
         self, requests: AsyncIterator[stage_pb2.ReduceMessage]
     ) -> stage_pb2.ReduceReply:
         """Take one peer's contribution or manifest (the server side of Stage.Reduce)."""
-        runtime = self.daemon.runtime
-        if runtime is None:
-            raise PeerError("this node is still starting")
+        runtime = self.ctx.runtime
         header: stage_pb2.ReduceHeader | None = None
         reader: TensorReader | None = None
         async for message in requests:
@@ -130,7 +118,7 @@ class ReplicaSync:
                 want = [runtime.n_parameters]
                 if list(message.tensor.shape) != want:
                     raise PeerError(f"tensor shape {list(message.tensor.shape)} is not {want}")
-                reader = TensorReader(message.tensor, self.daemon.stats)
+                reader = TensorReader(message.tensor, self.ctx.stats)
             elif kind == "chunk" and reader is not None:
                 reader.add(message.chunk.data)
             else:
@@ -165,8 +153,7 @@ class ReplicaSync:
         self, peer: str, address: str, messages: list[stage_pb2.ReduceMessage], what: str
     ) -> bool:
         """One Reduce call to a peer; False (logged) when it failed."""
-        d = self.daemon
-        assert d.config is not None
+        d = self.ctx
 
         async def stream(link: Transfer) -> AsyncIterator[stage_pb2.ReduceMessage]:
             for message in messages:
@@ -195,7 +182,7 @@ class ReplicaSync:
         ]
         sent = await self._call(peer, address, messages, f"step {header.step}'s contribution")
         if sent:
-            self.daemon.stats.record(peer, "reduce", encoded.header.codec, encoded.payload_bytes)
+            self.ctx.stats.record(peer, "reduce", encoded.header.codec, encoded.payload_bytes)
         return sent
 
     async def _wait(
@@ -216,9 +203,8 @@ class ReplicaSync:
         self, step: int, own: Contribution, *, delta: bool
     ) -> dict[str, Contribution]:
         """Swap contributions with the stage's other replicas; return the agreed set by node."""
-        d = self.daemon
+        d = self.ctx
         config = d.config
-        assert config is not None
         peers = self._peers()
         codec = codec_enum(config.pipeline.reduce_codec)
         encoded = await encode(own[0], codec, d.links.options, role="reduce", state=self._encoder)
@@ -313,13 +299,12 @@ class ReplicaSync:
                 samples += s
             return total, tokens, samples
 
-        return await self.daemon.compute.run(BACKWARD, add_up)
+        return await self.ctx.compute.run(BACKWARD, add_up)
 
     async def reduce(self, step: int) -> tuple[Contribution | None, int]:
         """Sum this stage's gradients over its live replicas; (None, 1) when alone."""
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
-        assert runtime is not None
         if not self._peers():
             return None, 1
         own = await d.compute.run(BACKWARD, runtime.local_gradient)
@@ -328,9 +313,8 @@ class ReplicaSync:
 
     async def average_parameters(self, step: int) -> int:
         """DiLoCo: average the replicas' deltas and take the outer step; returns replicas."""
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
-        assert runtime is not None
         own = await d.compute.run(BACKWARD, runtime.parameter_delta)
         agreed = await self.exchange(step, own, delta=True)
         reduced = await self._sum(agreed)

@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -24,13 +23,13 @@ import torch
 from swarmpipe.compression import get_codec
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
+from swarmpipe.node.context import NodeStatus, StageContext
+from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import HopError, HopResult
+from swarmpipe.node.state_transfer import StateTransfer
 from swarmpipe.node.token_ids import decode_token_ids, tokens_from_labels
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
-
-if TYPE_CHECKING:
-    from swarmpipe.node.daemon import NodeDaemon
 
 logger = logging.getLogger(__name__)
 
@@ -81,21 +80,50 @@ def decode_labels_and_tokens(
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, daemon: NodeDaemon) -> None:
-        self.daemon = daemon
+    """The Stage service of one node.
+
+    The server starts before the node joins (Join needs its port), so the servicer starts
+    empty and answers UNAVAILABLE until the daemon `attach`es the stage it joined as.
+    """
+
+    def __init__(self, node_id: str, status: NodeStatus) -> None:
+        self.node_id = node_id
+        self.status = status
+        self._ctx: StageContext | None = None
+        self._replica_sync: ReplicaSync | None = None
+        self._state_transfer: StateTransfer | None = None
+
+    def attach(
+        self, ctx: StageContext, replica_sync: ReplicaSync, state_transfer: StateTransfer
+    ) -> None:
+        """Serve `ctx`'s stage from now on (microbatches only once the status is serving)."""
+        self._ctx = ctx
+        self._replica_sync = replica_sync
+        self._state_transfer = state_transfer
+
+    async def _joined(
+        self, context: grpc.aio.ServicerContext
+    ) -> tuple[StageContext, ReplicaSync, StateTransfer]:
+        if self._ctx is None or self._replica_sync is None or self._state_transfer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still starting")
+            raise AssertionError("unreachable: abort raises")
+        return self._ctx, self._replica_sync, self._state_transfer
 
     async def Info(
         self, request: stage_pb2.StageInfoRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.StageInfoReply:
-        d = self.daemon
-        runtime = d.runtime
+        d = self._ctx
+        if d is None:
+            return stage_pb2.StageInfoReply(
+                node_id=self.node_id, in_flight=self.status.in_flight, serving=False
+            )
         return stage_pb2.StageInfoReply(
             node_id=d.node_id,
             stage=d.stage,
-            num_stages=d.config.pipeline.stages if d.config else 0,
-            step=runtime.step if runtime else 0,
-            in_flight=d.in_flight,
-            serving=d.serving,
+            num_stages=d.config.pipeline.stages,
+            step=d.runtime.step,
+            in_flight=self.status.in_flight,
+            serving=self.status.serving,
         )
 
     async def Reduce(
@@ -103,10 +131,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         request_iterator: AsyncIterator[stage_pb2.ReduceMessage],
         context: grpc.aio.ServicerContext,
     ) -> stage_pb2.ReduceReply:
-        if not self.daemon.serving:
+        _, replica_sync, _ = await self._joined(context)
+        if not self.status.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         try:
-            return await self.daemon.replica_sync.receive(request_iterator)
+            return await replica_sync.receive(request_iterator)
         except (PeerError, CodecError) as exc:
             logger.warning("refused a gradient for the reduce: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -121,7 +150,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """This stage's output on to the next stage, within the caller's deadline; a failed
         hop aborts the call with ABORTED, not UNAVAILABLE: this node is healthy, so the
         sender resends without benching it."""
-        d = self.daemon
+        d, _, _ = await self._joined(context)
         downstream = stage_pb2.MicrobatchHeader()
         downstream.CopyFrom(header)
         downstream.hop = d.stage + 1
@@ -152,11 +181,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[stage_pb2.BackwardMessage]:
         """An evaluation microbatch: forward only, the loss comes back without a gradient."""
-        d = self.daemon
+        d, _, _ = await self._joined(context)
         runtime = d.runtime
-        assert runtime is not None and d.config is not None
-        d.in_flight += 1
-        try:
+        with d.status.track_microbatch():
             if runtime.is_last:
                 last = await d.compute.run(
                     FORWARD, lambda: runtime.evaluate_last(activation, labels, tokens)
@@ -172,14 +199,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 result = stage_pb2.MicrobatchResult()
                 result.CopyFrom(hop.result)
                 result.stages_done += 1
-        finally:
-            d.in_flight -= 1
         yield stage_pb2.BackwardMessage(result=result)
 
     async def FetchState(
         self, request: stage_pb2.FetchStateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[state_pb2.StateMessage]:
-        async for message in self.daemon.state_transfer.serve(request, context):
+        _, _, state_transfer = await self._joined(context)
+        async for message in state_transfer.serve(request, context):
             yield message
 
     async def Forward(
@@ -187,14 +213,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         request_iterator: AsyncIterator[stage_pb2.ForwardMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[stage_pb2.BackwardMessage]:
-        d = self.daemon
+        d, _, _ = await self._joined(context)
         runtime = d.runtime
-        if runtime is None or d.config is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still starting")
-        if not d.serving:
+        if not d.status.serving:
             # Its parameters are not the stage's yet (it is downloading them).
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
-        assert runtime is not None and d.config is not None
         try:
             header, activation = await read_forward_request(request_iterator, d.stats)
             if header.hop != d.stage:
@@ -224,44 +247,46 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 yield message
             return
         key = uuid.uuid4().hex
-        d.in_flight += 1
-        try:
-            if runtime.is_last:
-                last, seconds = await d.compute.run_timed(
-                    FORWARD,
-                    lambda: runtime.forward_last(header.microbatch_id, activation, labels, tokens),
-                )
-                d.links.record_compute(seconds)
-                grad_input = last.grad_input
-                result = stage_pb2.MicrobatchResult(
-                    loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
-                )
-            else:
-                output, forward_s = await d.compute.run_timed(
-                    FORWARD, lambda: runtime.forward(key, header.microbatch_id, activation, tokens)
-                )
-                hop = await self._send_downstream(header, output, context)
-                if hop.grad_input is None:
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE, "the next stage returned no gradient"
+        with d.status.track_microbatch():
+            try:
+                if runtime.is_last:
+                    last, seconds = await d.compute.run_timed(
+                        FORWARD,
+                        lambda: runtime.forward_last(
+                            header.microbatch_id, activation, labels, tokens
+                        ),
                     )
-                grad_output = hop.grad_input
-                assert grad_output is not None
-                try:
-                    grad_input, backward_s = await d.compute.run_timed(
-                        BACKWARD, lambda: runtime.backward(key, grad_output)
+                    d.links.record_compute(seconds)
+                    grad_input = last.grad_input
+                    result = stage_pb2.MicrobatchResult(
+                        loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
                     )
-                except PeerError as exc:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"bad gradient: {exc}")
-                    raise  # unreachable
-                d.links.record_compute(forward_s + backward_s)
-                result = stage_pb2.MicrobatchResult()
-                result.CopyFrom(hop.result)
-                result.stages_done += 1
-        finally:
-            d.in_flight -= 1
-            # A call cancelled mid-way must not leave its graph behind.
-            await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
+                else:
+                    output, forward_s = await d.compute.run_timed(
+                        FORWARD,
+                        lambda: runtime.forward(key, header.microbatch_id, activation, tokens),
+                    )
+                    hop = await self._send_downstream(header, output, context)
+                    if hop.grad_input is None:
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE, "the next stage returned no gradient"
+                        )
+                    grad_output = hop.grad_input
+                    assert grad_output is not None
+                    try:
+                        grad_input, backward_s = await d.compute.run_timed(
+                            BACKWARD, lambda: runtime.backward(key, grad_output)
+                        )
+                    except PeerError as exc:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"bad gradient: {exc}")
+                        raise  # unreachable
+                    d.links.record_compute(forward_s + backward_s)
+                    result = stage_pb2.MicrobatchResult()
+                    result.CopyFrom(hop.result)
+                    result.stages_done += 1
+            finally:
+                # A call cancelled mid-way must not leave its graph behind.
+                await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
         assert grad_input is not None
         # The sender's request wins; without one (auto mode), the link to it picks.
         peer = header.sender_node or header.origin_node
@@ -288,5 +313,5 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 await link.pace(message.ByteSize())
                 yield message
         d.stats.record(peer, "gradient", codec, encoded.payload_bytes)
-        d.samples_processed += header.sample_count
+        d.status.count_samples(header.sample_count)
         yield stage_pb2.BackwardMessage(result=result)

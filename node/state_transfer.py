@@ -31,18 +31,17 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from swarmpipe.errors import CodecError, PeerError
+from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD
+from swarmpipe.node.context import StageContext
 from swarmpipe.node.stage_state import ReceivedState, StateReceiver, StateSnapshot
 from swarmpipe.protos import coordinator_pb2, stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
 from swarmpipe.storage.checkpoints import state_messages
-
-if TYPE_CHECKING:
-    from swarmpipe.node.daemon import NodeDaemon
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +58,9 @@ READY_WAIT_S = 10.0
 class StateTransfer:
     """Serves this stage's state to joiners, and brings this node's stage up to date."""
 
-    def __init__(self, daemon: NodeDaemon) -> None:
-        self.daemon = daemon
+    def __init__(self, ctx: StageContext, checkpointer: Checkpointer) -> None:
+        self.ctx = ctx
+        self.checkpointer = checkpointer
         self._snapshot: StateSnapshot | None = None
         self._snapshot_lock = asyncio.Lock()
         self._in_flight = 0
@@ -77,9 +77,8 @@ class StateTransfer:
         self._stepped = asyncio.Event()
 
     async def _snapshot_now(self) -> StateSnapshot:
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
-        assert runtime is not None
         async with self._snapshot_lock:
             cached = self._snapshot
             if cached is None or cached.step != runtime.step:
@@ -94,13 +93,12 @@ class StateTransfer:
         self, request: stage_pb2.FetchStateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[state_pb2.StateMessage]:
         """The server side of Stage.FetchState."""
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
-        if runtime is None or not d.serving:
+        if not d.status.serving:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "this node does not serve its stage yet"
             )
-        assert runtime is not None
         if request.stage != d.stage:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -146,17 +144,16 @@ class StateTransfer:
     async def join(self) -> bool:
         """Bring this node's stage to the swarm's current step and get accepted into the
         plan; False when the run finished meanwhile."""
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
-        assert runtime is not None
         started = time.time()
         self.report = {"sync_started_at": started, "download_bytes": 0, "download_seconds": 0.0}
         for attempt in range(1, SYNC_ATTEMPTS + 1):
-            info: coordinator_pb2.SyncInfoReply = await d.call_coordinator(
+            info: coordinator_pb2.SyncInfoReply = await d.coordinator.call(
                 "SyncInfo", coordinator_pb2.SyncInfoRequest(node_id=d.node_id)
             )
             if info.done:
-                d.stop("the run has finished")
+                d.status.request_stop("the run has finished")
                 return False
             target = info.step + (1 if info.applying else 0)
             if not await self._obtain(info, target):
@@ -164,7 +161,7 @@ class StateTransfer:
                 continue
             digest = await d.compute.run(BACKWARD, runtime.parameter_digest)
             while True:
-                reply: coordinator_pb2.ReadyReply = await d.call_coordinator(
+                reply: coordinator_pb2.ReadyReply = await d.coordinator.call(
                     "Ready",
                     coordinator_pb2.ReadyRequest(
                         node_id=d.node_id,
@@ -188,7 +185,7 @@ class StateTransfer:
                     )
                     return True
                 if reply.status == Status.STATUS_DONE:
-                    d.stop("the run has finished")
+                    d.status.request_stop("the run has finished")
                     return False
                 if reply.status == Status.STATUS_STALE:
                     logger.info(
@@ -205,9 +202,8 @@ class StateTransfer:
 
     async def _obtain(self, info: coordinator_pb2.SyncInfoReply, target: int) -> bool:
         """Load the state of `target` into the runtime; False when no source worked."""
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
-        assert runtime is not None
         if target == 0 and self._fresh:
             self.report["source"] = "fresh"
             return True  # no step applied anywhere: the seed's parameters are the state
@@ -224,7 +220,7 @@ class StateTransfer:
             self._fresh = False
             self.report["source"] = f"replica {replica.node_id}"
             return True
-        restored = await d.checkpointer.restore()
+        restored = await self.checkpointer.restore()
         if restored is not None:
             if restored.step > target:
                 logger.warning(
@@ -261,10 +257,9 @@ class StateTransfer:
         return True
 
     async def _fetch(self, peer: str, address: str, target: int) -> ReceivedState | None:
-        d = self.daemon
+        d = self.ctx
         runtime = d.runtime
         config = d.config
-        assert runtime is not None and config is not None
         receiver = StateReceiver(
             runtime.module,
             run_id=config.run_id,

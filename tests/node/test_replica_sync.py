@@ -1,7 +1,8 @@
 """Two real replicas in this process, over real gRPC: the reduce's agreement and codecs.
 
-Each replica is a NodeDaemon with its Stage server started and its stage built,
-but no coordinator or MQTT: the test hands each its plan. A one-way broken link
+Each replica is a node's parts built on a StageContext (the services a daemon hands
+them after Join) with its Stage server started, but no coordinator or MQTT: the test
+hands each its plan. A one-way broken link
 is made honestly, by giving one replica a plan whose address for the other is
 a closed port.
 """
@@ -17,11 +18,18 @@ import pytest
 import torch
 
 from swarmpipe.config import load_config
-from swarmpipe.node.daemon import NodeDaemon, NodeOptions
+from swarmpipe.node.checkpointing import Checkpointer
+from swarmpipe.node.compute import ComputeWorker
+from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
+from swarmpipe.node.links import Links
+from swarmpipe.node.replica_sync import ReplicaSync
+from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
 from swarmpipe.node.stage_runtime import StageRuntime
+from swarmpipe.node.state_transfer import StateTransfer
+from swarmpipe.node.transport import LinkStats
 from swarmpipe.protos import control_pb2, stage_pb2_grpc
-from swarmpipe.transport.rpc import bind, create_server
+from swarmpipe.transport.rpc import bind, create_server, open_channel
 
 TINY = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.context=8"]
 
@@ -29,24 +37,39 @@ TINY = ["model.n_layers=2", "model.d_model=16", "model.n_heads=2", "model.contex
 class Replica:
     def __init__(self, name: str, settings: list[str]) -> None:
         self.config = load_config(None, [*TINY, "pipeline.stages=1", *settings])
-        self.daemon = NodeDaemon(NodeOptions(coordinator="127.0.0.1:1", node_id=name))
-        self.daemon.config = self.config
-        self.daemon.stage = 0
-        self.daemon.runtime = StageRuntime(self.config, 0)
-        self.daemon.serving = True
+        stats, links = LinkStats(), Links()
+        status = NodeStatus()
+        status.start_serving()
+        self._coordinator_channel = open_channel("127.0.0.1:1")  # never called here
+        self.ctx = StageContext(
+            node_id=name,
+            stage=0,
+            config=self.config,
+            runtime=StageRuntime(self.config, 0),
+            compute=ComputeWorker(),
+            links=links,
+            stats=stats,
+            router=Router(name, stats, links),
+            coordinator=CoordinatorClient(self._coordinator_channel, "127.0.0.1:1"),
+            status=status,
+        )
+        self.replica_sync = ReplicaSync(self.ctx)
+        self.servicer = StageServicer(name, status)
+        self.servicer.attach(
+            self.ctx, self.replica_sync, StateTransfer(self.ctx, Checkpointer(self.ctx))
+        )
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
     async def start(self) -> None:
         self.server = create_server()
-        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(self.daemon), self.server)
+        stage_pb2_grpc.add_StageServicer_to_server(self.servicer, self.server)
         self.address = f"127.0.0.1:{bind(self.server, '127.0.0.1:0')}"
         await self.server.start()
 
     def train_on(self, seed: int) -> torch.Tensor:
         """Accumulate one microbatch of this replica's own data; returns its flat gradient."""
-        runtime = self.daemon.runtime
-        assert runtime is not None
+        runtime = self.ctx.runtime
         g = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, 256, (2, 8), generator=g)
         runtime.forward_last(f"0:{seed}:2", tokens, torch.randint(0, 256, (2, 8), generator=g))
@@ -55,8 +78,9 @@ class Replica:
     async def close(self) -> None:
         if self.server is not None:
             await self.server.stop(grace=None)
-        await self.daemon.router.close()
-        self.daemon.compute.close()
+        await self.ctx.router.close()
+        await self._coordinator_channel.close()
+        self.ctx.compute.close()
 
 
 def _plan(addresses: dict[str, str]) -> control_pb2.Plan:
@@ -91,10 +115,10 @@ async def test_replicas_sum_both_contributions_in_the_same_order(
     a, b = pair
     grads = a.train_on(1), b.train_on(2)
     plan = _plan({"a": a.address, "b": b.address})
-    a.daemon.router.set_plan(plan)
-    b.daemon.router.set_plan(plan)
+    a.ctx.router.set_plan(plan)
+    b.ctx.router.set_plan(plan)
     (sum_a, n_a), (sum_b, n_b) = await asyncio.gather(
-        a.daemon.replica_sync.reduce(0), b.daemon.replica_sync.reduce(0)
+        a.replica_sync.reduce(0), b.replica_sync.reduce(0)
     )
     assert n_a == n_b == 2 and sum_a is not None and sum_b is not None
     assert torch.equal(sum_a[0], sum_b[0]) and sum_a[1:] == sum_b[1:] == (32, 4)
@@ -108,10 +132,10 @@ async def test_a_lossy_reduce_codec_still_gives_bit_identical_sums(
     a, b = pair
     grads = a.train_on(1), b.train_on(2)
     plan = _plan({"a": a.address, "b": b.address})
-    a.daemon.router.set_plan(plan)
-    b.daemon.router.set_plan(plan)
+    a.ctx.router.set_plan(plan)
+    b.ctx.router.set_plan(plan)
     (sum_a, _), (sum_b, _) = await asyncio.gather(
-        a.daemon.replica_sync.reduce(0), b.daemon.replica_sync.reduce(0)
+        a.replica_sync.reduce(0), b.replica_sync.reduce(0)
     )
     assert sum_a is not None and sum_b is not None
     assert torch.equal(sum_a[0], sum_b[0])
@@ -127,10 +151,10 @@ async def test_a_replica_whose_sends_fail_but_still_receives_does_not_drift(
     a, b = pair
     grad_a = a.train_on(1)
     b.train_on(2)
-    a.daemon.router.set_plan(_plan({"a": a.address, "b": b.address}))
-    b.daemon.router.set_plan(_plan({"a": _closed_port(), "b": b.address}))  # b -> a is cut
+    a.ctx.router.set_plan(_plan({"a": a.address, "b": b.address}))
+    b.ctx.router.set_plan(_plan({"a": _closed_port(), "b": b.address}))  # b -> a is cut
     (sum_a, n_a), (sum_b, n_b) = await asyncio.gather(
-        a.daemon.replica_sync.reduce(0), b.daemon.replica_sync.reduce(0)
+        a.replica_sync.reduce(0), b.replica_sync.reduce(0)
     )
     assert sum_a is not None and sum_b is not None
     # b received a's gradient but a never got b's: both must apply a's alone.
