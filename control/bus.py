@@ -11,8 +11,10 @@ Topics live under `swarmpipe/<run_id>/`; payloads are protobuf messages from
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiomqtt
@@ -89,6 +91,25 @@ class Topics:
         return None
 
 
+class _Client(aiomqtt.Client):
+    """aiomqtt's client, except that a broker that drops the connection before accepting it
+    fails the connect at once. aiomqtt ignores a disconnect that comes before the CONNACK
+    and waits out its 10 s timeout, so a broker restarting or shedding load cost each try
+    10 s. If aiomqtt changes its internals, this falls back to its own behaviour."""
+
+    def _on_disconnect(self, client: Any, userdata: Any, *args: Any, **kwargs: Any) -> None:
+        connected = getattr(self, "_connected", None)
+        if isinstance(connected, asyncio.Future) and not connected.done():
+            reason = args[1] if len(args) > 1 else kwargs.get("reason_code", "?")
+            connected.set_exception(
+                aiomqtt.MqttError(
+                    f"the broker closed the connection before accepting it ({reason})"
+                )
+            )
+            return
+        super()._on_disconnect(client, userdata, *args, **kwargs)
+
+
 def make_client(
     broker: BrokerAddress,
     client_id: str,
@@ -101,7 +122,7 @@ def make_client(
     The keepalive bounds how long a silently vanished peer (pulled cable) stays
     "online": the broker fires its Last Will after 1.5 keepalive periods.
     """
-    return aiomqtt.Client(
+    return _Client(
         broker.host,
         broker.port,
         identifier=client_id,

@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 TELEMETRY_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 15.0
-# Tries to set up the MQTT session at start, 1, 2, 4 s apart.
+# Tries to set up the MQTT session at start, `NodeOptions.broker_retry_s` apart at first,
+# then twice as long each time (1, 2 and 4 s by default).
 BUS_ATTEMPTS = 4
 DRAIN_TIMEOUT_S = 30.0
 
@@ -77,6 +78,8 @@ class NodeOptions:
     broker: str = ""
     """mqtt://host:port overriding the broker the coordinator names."""
     join_timeout_s: float = 30.0
+    broker_retry_s: float = 1.0
+    """First wait before trying the MQTT broker again at start; doubles each try."""
     """Give up (exit code 3) when the coordinator does not answer for this long."""
     ready_file: str = ""
     link_mbit: float | None = None
@@ -283,7 +286,7 @@ class NodeDaemon:
         A broker that refuses or drops us while we set up (restarting, overloaded) is
         retried a few times with backoff; one that stays away is a one-line error.
         """
-        delay = 1.0
+        delay = self.options.broker_retry_s
         for attempt in range(1, BUS_ATTEMPTS + 1):
             stack = contextlib.AsyncExitStack()
             try:
@@ -307,7 +310,7 @@ class NodeDaemon:
                         f"cannot use the MQTT broker at {broker.url} ({attempt} attempt(s)): {exc}"
                     ) from exc
                 logger.warning(
-                    "MQTT broker %s: %s; retrying in %.0f s (attempt %d of %d)",
+                    "MQTT broker %s: %s; retrying in %g s (attempt %d of %d)",
                     broker.url,
                     exc,
                     delay,

@@ -28,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--broker", default="", help="mqtt://host:port overriding the coordinator's"
     )
     parser.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait to join")
+    parser.add_argument(
+        "--broker-retry",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="first wait before trying the MQTT broker again at start; doubles each of 4 tries",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--ready-file", default="", help="write the bound port here as JSON")
     parser.add_argument(
@@ -42,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> int:
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
+    if not 0 < args.broker_retry <= 600:
+        raise ConfigError(f"--broker-retry {args.broker_retry:g}: give 0 < seconds <= 600")
     if args.node_id == ALL:
         raise ConfigError(f"--node-id {ALL!r} is reserved: it addresses every node of a run")
     set_torch_threads(args.threads)
@@ -52,6 +61,7 @@ async def serve(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host,
         broker=args.broker,
         join_timeout_s=args.join_timeout,
+        broker_retry_s=args.broker_retry,
         ready_file=args.ready_file,
         link_mbit=args.link_mbit,
     )

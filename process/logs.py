@@ -28,7 +28,9 @@ def configure_logging(level: str = "INFO", who: str = "swarmpipe") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ContextFilter())
     handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s [%(who)s] %(name)s: %(message)s", "%H:%M:%S")
+        logging.Formatter(
+            "%(asctime)s.%(msecs)03d %(levelname)s [%(who)s] %(name)s: %(message)s", "%H:%M:%S"
+        )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -133,9 +133,25 @@ def tiny() -> list[str]:
     return list(TINY)
 
 
+@pytest.fixture(scope="session")
+def tiny_settings() -> tuple[str, ...]:
+    """The same overrides, for fixtures shared by several tests."""
+    return tuple(TINY)
+
+
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Procs]:
     p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.reap()
+
+
+@pytest.fixture(scope="module")
+def module_procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Procs]:
+    """Processes shared by a module's tests that only read them; reaped after the module."""
+    p = Procs(tmp_path_factory.mktemp("shared"))
     try:
         yield p
     finally:

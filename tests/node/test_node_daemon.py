@@ -27,10 +27,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 CONTEXT, WIDTH = 32, 32
 
 
-@pytest.fixture
-def last_stage(procs, tiny):  # type: ignore[no-untyped-def]
-    """A 2-stage run whose head was killed: the stage-1 node keeps serving at a fixed step."""
-    coordinator = procs.coordinator(*tiny, "pipeline.stages=2", "train.steps=1000")
+@pytest.fixture(scope="module")
+def last_stage(module_procs, tiny_settings):  # type: ignore[no-untyped-def]
+    """A 2-stage run whose head was killed: the stage-1 node keeps serving at a fixed step.
+
+    Shared by the tests of this module that only send it microbatches and read its answers:
+    each checks that the node still serves a well-formed microbatch after its bad one."""
+    procs = module_procs
+    coordinator = procs.coordinator(*tiny_settings, "pipeline.stages=2", "train.steps=1000")
     head, _ = procs.node("n0", coordinator)
     _, info = procs.node("n1", coordinator)
     procs.wait_serving("n1")  # until then it refuses microbatches: it is not in the plan
@@ -262,13 +266,15 @@ def test_a_node_retries_a_broker_that_drops_it_at_start(procs, tiny) -> None:  #
     broker = json.loads((procs.tmp / "coordinator.ready.json").read_text())["broker_url"]
     proxy = _DroppingProxy(parse_broker_url(broker).port, drop=1)
     try:
-        procs.node("n0", coordinator, "--broker", f"mqtt://127.0.0.1:{proxy.port}")
+        procs.node(
+            "n0", coordinator, "--broker", f"mqtt://127.0.0.1:{proxy.port}", "--broker-retry", "0.2"
+        )
         procs.node("n1", coordinator)
         procs.wait_serving("n0")
         procs.wait_serving("n1")
         assert proxy.dropped == 1
         log = (procs.tmp / "n0.log").read_text()
-        assert log.count("retrying in 1 s (attempt 1 of 4)") == 1, log
+        assert log.count("retrying in 0.2 s (attempt 1 of 4)") == 1, log
         assert "Traceback" not in log
     finally:
         proxy.close()
@@ -276,7 +282,9 @@ def test_a_node_retries_a_broker_that_drops_it_at_start(procs, tiny) -> None:  #
 
 def test_a_node_exits_with_one_line_when_the_broker_stays_away(procs, tiny) -> None:  # type: ignore[no-untyped-def]
     coordinator = procs.coordinator(*tiny, "pipeline.stages=2", "train.steps=1000")
-    node, _ = procs.node("n0", coordinator, "--broker", f"mqtt://127.0.0.1:{_free_port()}")
+    node, _ = procs.node(
+        "n0", coordinator, "--broker", f"mqtt://127.0.0.1:{_free_port()}", "--broker-retry", "0.1"
+    )
     assert node.wait(timeout=60) == 1
     log = (procs.tmp / "n0.log").read_text()
     errors = [line for line in log.splitlines() if line.startswith("swarmpipe node")]
