@@ -19,7 +19,7 @@ import pytest
 from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 
 class Coordinator:

@@ -18,7 +18,7 @@ from swarmpipe.control.bus import Topics, make_client, parse_broker_url
 from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 AUTO = ["pipeline.activation_codec=auto", "pipeline.gradient_codec=auto"]
 
@@ -41,6 +41,7 @@ def run_testnet(out: Path, settings: list[str], *flags: str) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.slow
 def test_auto_compresses_on_limited_links_and_reports_when(tmp_path: Path, tiny: list[str]) -> None:
     # At 1 Mbit/s a lossless activation of the tiny model (16 KiB) takes 130 ms, far more
     # than a stage computes per microbatch, so every hop must end up compressing.
@@ -75,6 +76,7 @@ def test_auto_compresses_on_limited_links_and_reports_when(tmp_path: Path, tiny:
     assert compressed > 2 * lossless
 
 
+@pytest.mark.slow
 def test_one_node_can_have_its_own_slow_link(procs, tiny) -> None:  # type: ignore[no-untyped-def]
     coordinator = procs.coordinator(*tiny, *AUTO, "train.steps=5")
     # Joined one after another, the nodes take stages 0, 1, 2; only stage 1 sends slowly.
@@ -116,6 +118,7 @@ def test_a_negative_node_link_limit_is_a_clear_error() -> None:
     assert done.returncode == 2 and "--link-mbit -1.0 is out of range" in done.stderr
 
 
+@pytest.mark.slow
 def test_link_limit_command_reaches_running_and_late_nodes(procs, tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
     coordinator = procs.coordinator(*tiny, *AUTO, "pipeline.stages=2", "train.steps=2000")
     broker = json.loads((tmp_path / "coordinator.ready.json").read_text())["broker_url"]
@@ -168,6 +171,7 @@ def test_link_limit_command_reaches_running_and_late_nodes(procs, tiny, tmp_path
     )
 
 
+@pytest.mark.slow
 def test_auto_follows_a_link_slowed_and_freed_during_the_run(
     tmp_path: Path, tiny: list[str]
 ) -> None:

@@ -18,7 +18,7 @@ from swarmpipe.compression import encode_tensor
 from swarmpipe.config import load_config
 from swarmpipe.model.reference import train_single_process
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 
 def run_testnet(
@@ -84,6 +84,7 @@ def test_lossless_pipeline_matches_single_process(tmp_path: Path, tiny: list[str
     assert directions == {("activation", "lossless"), ("gradient", "lossless")}
 
 
+@pytest.mark.slow
 def test_int8_pipeline_stays_within_three_percent_after_50_steps(
     tmp_path: Path, tiny: list[str]
 ) -> None:
@@ -98,6 +99,7 @@ def test_int8_pipeline_stays_within_three_percent_after_50_steps(
     assert report["counters"]["lost"] == 0
 
 
+@pytest.mark.slow
 def test_replicated_stages_match_single_process_and_stay_equal(
     tmp_path: Path, tiny: list[str]
 ) -> None:
@@ -136,6 +138,7 @@ def test_bottleneck_pipeline_matches_single_process_and_sends_k_wide_activations
         assert sent == c["committed"] * 2 * context * k * 4, direction
 
 
+@pytest.mark.slow
 def test_bottleneck_with_centered_int4_activations_trains_through_real_nodes(
     tmp_path: Path, tiny: list[str]
 ) -> None:
@@ -170,6 +173,7 @@ def test_bottleneck_with_centered_int4_activations_trains_through_real_nodes(
         assert sent == c["committed"] // microbatch * 2 * size, direction
 
 
+@pytest.mark.slow
 def test_bottleneck_with_narrowed_zstd_activations_trains_through_real_nodes(
     tmp_path: Path, tiny: list[str]
 ) -> None:

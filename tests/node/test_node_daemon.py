@@ -22,7 +22,7 @@ from swarmpipe.control.bus import parse_broker_url
 from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 CONTEXT, WIDTH = 32, 32
 

@@ -13,7 +13,7 @@ import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 def _start(out: Path, tiny: list[str], *extra: str) -> subprocess.Popen[str]:
@@ -114,6 +114,7 @@ def test_too_few_nodes_is_a_clear_error(tmp_path: Path, tiny: list[str]) -> None
     assert "--nodes 2 cannot cover 3 stages" in output
 
 
+@pytest.mark.slow  # a scenario: 400 steps, so the restarted node is back before the end
 @pytest.mark.timeout(900)
 def test_a_scheduled_kill_is_not_a_crash_and_the_node_rejoins(
     tmp_path: Path, tiny: list[str]
