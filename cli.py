@@ -1,6 +1,8 @@
 """The `swarmpipe` command: coordinator, node, testnet, bench and link-limit subcommands.
 
-Errors the user can act on (SwarmpipeError) print one line, never a traceback.
+Errors the user can act on (SwarmpipeError) print one line, never a traceback. A
+subcommand's module is imported only when the command line names it (see
+process/subcommands.py), so `swarmpipe --help` and argument errors answer at once.
 """
 
 from __future__ import annotations
@@ -12,32 +14,36 @@ import sys
 from collections.abc import Sequence
 
 from swarmpipe.errors import ConfigError, CoordinatorUnavailable, SwarmpipeError
+from swarmpipe.process.subcommands import Subcommand, add_subcommands
 
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
 EXIT_COORDINATOR_UNREACHABLE = 3
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from swarmpipe.bench import main as bench_main
-    from swarmpipe.control import link_control
-    from swarmpipe.coordinator import main as coordinator_main
-    from swarmpipe.node import main as node_main
-    from swarmpipe.testnet import main as testnet_main
+COMMANDS: dict[str, Subcommand] = {
+    "coordinator": Subcommand(
+        module="swarmpipe.coordinator.main", help="run the coordinator (embeds an MQTT broker)"
+    ),
+    "node": Subcommand(
+        module="swarmpipe.node.main", help="run a node daemon that serves one pipeline stage"
+    ),
+    "testnet": Subcommand(
+        module="swarmpipe.testnet.main", help="run a local swarm of processes and write a report"
+    ),
+    "bench": Subcommand(module="swarmpipe.bench.main", help="print benchmark figures as JSON"),
+    "link-limit": Subcommand(
+        module="swarmpipe.control.link_control",
+        help="change nodes' send limits while a run goes on",
+    ),
+}
+"""Each subcommand's module, imported only when the command line names it."""
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmpipe", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, module, help_text in (
-        ("coordinator", coordinator_main, "run the coordinator (embeds an MQTT broker)"),
-        ("node", node_main, "run a node daemon that serves one pipeline stage"),
-        ("testnet", testnet_main, "run a local swarm of processes and write a report"),
-        ("bench", bench_main, "print benchmark figures as JSON"),
-        ("link-limit", link_control, "change nodes' send limits while a run goes on"),
-    ):
-        p = sub.add_parser(name, help=help_text, description=module.__doc__)
-        module.add_arguments(p)
-        p.set_defaults(serve=module.serve)
+    add_subcommands(parser, COMMANDS, dest="command", serve_dest="serve")
     return parser
 
 

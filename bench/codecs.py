@@ -31,11 +31,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from swarmpipe.config import CODEC_NAMES
 
-from swarmpipe.compression import CODECS_BY_NAME, decode_tensor, encode_tensor, get_codec
+if TYPE_CHECKING:  # torch and the codecs are imported where used: `--help` stays fast
+    import torch
 
 HIVEMIND_CODECS = (
     "NONE",
@@ -61,7 +62,7 @@ MB = 1e6
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--codecs",
-        default=",".join(CODECS_BY_NAME),
+        default=",".join(CODEC_NAMES),
         help="comma-separated codecs of ours to measure (default: all)",
     )
     parser.add_argument(
@@ -79,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     """The benchmark's tensors by name: plain and with outlier channels."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     activation = torch.randn(8, 512, 1024, generator=g)
     # A weight gradient is a sum over the batch of outer products; its spectrum decays.
@@ -95,6 +98,8 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def with_outlier_channels(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """`x` with 1% of its last-dimension channels scaled x20."""
+    import torch
+
     channels = x.shape[-1]
     chosen = torch.randperm(channels, generator=g)[: max(1, channels // 100)]
     y = x.clone()
@@ -120,6 +125,8 @@ def ours(
     entropy: str = "none",
     code_max: int = 0,
 ) -> Contender:
+    from swarmpipe.compression import decode_tensor, encode_tensor
+
     def encode(x: torch.Tensor) -> Any:
         return encode_tensor(
             x,
@@ -202,10 +209,14 @@ def _versus(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
 def serve(args: argparse.Namespace) -> int:
     codecs = [c for c in args.codecs.split(",") if c]
     for codec in codecs:
-        if codec not in CODECS_BY_NAME:
-            raise SystemExit(f"unknown codec {codec!r}; choose from {', '.join(CODECS_BY_NAME)}")
+        if codec not in CODEC_NAMES:
+            raise SystemExit(f"unknown codec {codec!r}; choose from {', '.join(CODEC_NAMES)}")
     if args.repeats < 1 or args.threads < 1:
         raise SystemExit("--repeats and --threads must be >= 1")
+    import torch
+
+    from swarmpipe.compression import get_codec
+
     torch.set_num_threads(args.threads)
     theirs: dict[str, Contender] = {}
     hivemind_note = "skipped: --no-hivemind"

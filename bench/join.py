@@ -26,11 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from swarmpipe.config import add_config_arguments, load_config
 from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
-from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.testnet.processes import Child, ProcessGroup
 
 START_TIMEOUT_S = 120.0
@@ -72,6 +69,10 @@ def _serving(child: Child) -> dict[str, Any] | None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    import grpc  # here, not above: `swarmpipe bench join --help` need not wait for it
+
+    from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+
     overrides = [*args.set, "train.steps=1000000"]
     config = load_config(None, overrides)
     stages = config.pipeline.stages

@@ -1,15 +1,17 @@
 """`swarmpipe bench NAME`: benchmarks that print JSON, each comparing side by side in one run.
 
 Each benchmark is a module of this package with `add_arguments(parser)` and `serve(args)`,
-listed in BENCHMARKS. Both sides of every comparison run in the same invocation on the same
-machine, so ratios mean something on a noisy shared host; absolute figures do not travel.
+listed in BENCHMARKS; its module is imported only when the command line names it. Both
+sides of every comparison run in the same invocation on the same machine, so ratios mean
+something on a noisy shared host; absolute figures do not travel.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import Any
+
+from swarmpipe.process.subcommands import Subcommand, add_subcommands
 
 BENCHMARKS: dict[str, str] = {
     "pipeline": "testnet samples/s beside single-process training, wire bytes per codec",
@@ -25,12 +27,13 @@ BENCHMARKS: dict[str, str] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    for name, help_text in BENCHMARKS.items():
-        module = importlib.import_module(f"swarmpipe.bench.{name}")
-        p = sub.add_parser(name, help=help_text, description=module.__doc__)
-        module.add_arguments(p)
-        p.set_defaults(bench_serve=module.serve)
+    benchmarks = {
+        name: Subcommand(module=f"swarmpipe.bench.{name}", help=help_text)
+        for name, help_text in BENCHMARKS.items()
+    }
+    add_subcommands(
+        parser, benchmarks, dest="benchmark", serve_dest="bench_serve", metavar="BENCHMARK"
+    )
 
 
 def serve(args: argparse.Namespace) -> Any:

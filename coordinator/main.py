@@ -13,12 +13,6 @@ import os
 import signal
 
 from swarmpipe.config import add_config_arguments, load_config
-from swarmpipe.control.bus import BrokerAddress, parse_broker_url
-from swarmpipe.coordinator.broker import EmbeddedBroker
-from swarmpipe.coordinator.service import CoordinatorService
-from swarmpipe.process.ready import write_ready_file
-from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +44,15 @@ def _split_hostport(value: str) -> tuple[str, int]:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    # Imported here, not above: grpc, the broker and the MQTT client take a while to
+    # import, which `swarmpipe coordinator --help` must not wait for (process/subcommands.py).
+    from swarmpipe.control.bus import BrokerAddress, parse_broker_url
+    from swarmpipe.coordinator.broker import EmbeddedBroker
+    from swarmpipe.coordinator.service import CoordinatorService
+    from swarmpipe.process.ready import write_ready_file
+    from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+    from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
+
     config = load_config(args.config, args.set)
     embedded: EmbeddedBroker | None = None
     if args.broker:

@@ -11,9 +11,7 @@ import argparse
 import asyncio
 import signal
 
-from swarmpipe.control.link_control import ALL
 from swarmpipe.errors import ConfigError
-from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
 from swarmpipe.transport.limits import MBIT, check_limit
 
 
@@ -47,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    # Imported here, not above: the daemon imports torch, which `swarmpipe node --help`
+    # and a bad flag must not wait for (process/subcommands.py).
+    from swarmpipe.control.link_control import ALL
+    from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
+
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
     if not 0 < args.broker_retry <= 600:

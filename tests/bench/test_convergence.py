@@ -11,15 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from swarmpipe.bench.convergence import (
-    BoundarySetting,
-    SimulatedPipeline,
-    aggregate,
-    build_settings,
-    merge_results,
-    rounding_label,
-    summarise,
-)
+from swarmpipe.bench.convergence_merge import merge_results
+from swarmpipe.bench.convergence_report import aggregate, summarise
+from swarmpipe.bench.convergence_run import SimulatedPipeline
+from swarmpipe.bench.convergence_settings import BoundarySetting, build_settings, rounding_label
 from swarmpipe.compression import CODECS_BY_NAME, decode_tensor, encode_tensor
 from swarmpipe.config import load_config
 from swarmpipe.data import Corpus
