@@ -36,6 +36,7 @@ HOP_ATTEMPTS = 8
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 5.0
 LEASE_WAIT_S = 5.0
+RELEASE_WHILE_LEAVING_S = 2.0
 
 
 class Head:
@@ -210,6 +211,7 @@ class Head:
                 attempts=HOP_ATTEMPTS,
                 backoff_s=BACKOFF_START_S,
                 backoff_max_s=BACKOFF_MAX_S,
+                give_up=self.stopping.is_set,
             )
         except HopError as exc:
             if not exc.retryable:
@@ -232,9 +234,15 @@ class Head:
             lease.sample_count,
             reason,
         )
-        await d.coordinator.call(
-            "Release",
-            coordinator_pb2.ReleaseRequest(
-                node_id=d.node_id, lease_id=lease.lease_id, reason=reason
-            ),
+        request = coordinator_pb2.ReleaseRequest(
+            node_id=d.node_id, lease_id=lease.lease_id, reason=reason
         )
+        if not self.stopping.is_set():
+            await d.coordinator.call("Release", request)
+            return
+        # Leaving: one quick try. If the coordinator cannot take it, it replays the lease
+        # anyway when this node's presence goes offline; the drain need not wait for it.
+        try:
+            await d.coordinator.stub.Release(request, timeout=RELEASE_WHILE_LEAVING_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.info("release of lease %d not delivered: %s", lease.lease_id, exc.code().name)

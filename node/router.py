@@ -22,6 +22,7 @@ import logging
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -220,13 +221,16 @@ class Router:
         deadline: float | None = None,
         backoff_s: float = 0.0,
         backoff_max_s: float = 5.0,
+        give_up: Callable[[], bool] | None = None,
     ) -> HopResult:
         """Send with up to `attempts` tries, each to a replica this microbatch has not failed on.
 
         `deadline` (time.monotonic()) bounds the whole; `backoff_s` > 0 waits
         between rounds with exponential backoff and jitter, which also gives the
-        coordinator time to publish a plan without a vanished node. Raises the
-        last HopError when every try failed or one was final.
+        coordinator time to publish a plan without a vanished node. `give_up()`
+        returning True stops further tries (a sender that is leaving lets the
+        coordinator replay the microbatch instead). Raises the last HopError when
+        every try failed or one was final.
         """
         avoid: set[str] = set()
         delay = backoff_s
@@ -234,6 +238,8 @@ class Router:
         for attempt in range(1, attempts + 1):
             time_left = None if deadline is None else deadline - time.monotonic()
             if time_left is not None and time_left <= 0:
+                break
+            if attempt > 1 and give_up is not None and give_up():
                 break
             try:
                 return await self.send(

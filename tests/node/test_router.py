@@ -198,3 +198,16 @@ async def _until(predicate: object) -> None:
     assert callable(predicate)
     while not predicate():
         await asyncio.sleep(0.01)
+
+
+async def test_a_sender_that_gives_up_makes_no_further_tries(swarm: Swarm, router: Router) -> None:
+    await swarm.add("bad", "refuse")
+    await swarm.add("worse", "refuse")
+    router.set_plan(swarm.plan({"bad": 1.0, "worse": 1.0}))
+    with pytest.raises(HopError):
+        await router.send_rerouting(
+            1, _header(), torch.randn(2, 4), codec=LOSSLESS, attempts=5, give_up=lambda: True
+        )
+    # The first try always goes out; none after it, though another replica was left.
+    assert swarm.peers["bad"].calls + swarm.peers["worse"].calls == 1
+    await router.close()
