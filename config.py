@@ -508,9 +508,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, with_file: bool = T
     )
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
-    """Read a TOML file (or the defaults) and apply `section.key=value` overrides."""
-    raw: dict[str, Any] = {}
+def load_config(
+    path: str | Path | None = None,
+    overrides: typing.Sequence[str] = (),
+    *,
+    base: RunConfig | None = None,
+) -> RunConfig:
+    """Read a TOML file (or the defaults, or `base`) and apply `section.key=value` overrides."""
+    raw: dict[str, Any] = json.loads(base.to_json()) if base is not None else {}
     if path is not None:
         try:
             raw = tomllib.loads(Path(path).read_text())

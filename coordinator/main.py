@@ -1,6 +1,12 @@
 """`swarmpipe coordinator`: run the coordinator, with an embedded MQTT broker by default.
 
-Exit codes: 0 after SIGTERM/SIGINT, 2 for a configuration error, 1 otherwise.
+When the run is done (every stage's final state stored), the coordinator waits for the nodes
+to leave (they need its embedded broker to hear that the run is done; at most
+`LEAVE_GRACE_S`), prints a one-screen summary on stdout and exits 0; `--stay` keeps it
+serving Status instead, until SIGTERM/SIGINT.
+
+Exit codes: 0 when the run is done or after SIGTERM/SIGINT, 2 for a configuration error,
+1 otherwise.
 """
 
 from __future__ import annotations
@@ -11,10 +17,15 @@ import contextlib
 import logging
 import os
 import signal
+from pathlib import Path
 
 from swarmpipe.config import add_config_arguments, load_config
+from swarmpipe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+LEAVE_GRACE_S = 15.0
+"""How long a finished coordinator waits for its nodes to leave before it exits."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +47,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder for what outlives the nodes: stage checkpoints (default: ./swarmpipe-state)",
     )
     parser.add_argument("--ready-file", help="write the bound ports here as JSON once serving")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run recorded in --state-dir from its last complete step "
+        "(--set overrides it, e.g. train.steps=N to train further)",
+    )
+    parser.add_argument(
+        "--stay",
+        action="store_true",
+        help="keep serving Status after the run is done (default: print a summary and exit)",
+    )
 
 
 def _split_hostport(value: str) -> tuple[str, int]:
@@ -47,20 +69,37 @@ async def serve(args: argparse.Namespace) -> int:
     # Imported here, not above: grpc, the broker and the MQTT client take a while to
     # import, which `swarmpipe coordinator --help` must not wait for (process/subcommands.py).
     from swarmpipe.control.bus import BrokerAddress, parse_broker_url
+    from swarmpipe.coordinator import run_state
     from swarmpipe.coordinator.broker import EmbeddedBroker
     from swarmpipe.coordinator.service import CoordinatorService
+    from swarmpipe.coordinator.summary import summary_lines
     from swarmpipe.process.ready import write_ready_file
     from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
     from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
-    config = load_config(args.config, args.set)
+    state_dir = Path(args.state_dir)
+    resume_at = 0
+    if args.resume:
+        if args.config:
+            raise ConfigError("--resume takes the recorded run's config; use --set to change it")
+        run_id = next((s.partition("=")[2] for s in args.set if s.startswith("run_id=")), None)
+        config, resume_at = run_state.resume(state_dir, list(args.set), run_id)
+        logger.info(
+            "resuming run %r from step %d (its last complete step) to %d",
+            config.run_id,
+            resume_at,
+            config.train.steps,
+        )
+    else:
+        config = load_config(args.config, args.set)
+        run_state.start(state_dir, config)
     embedded: EmbeddedBroker | None = None
     if args.broker:
         broker: BrokerAddress = parse_broker_url(args.broker)
     else:
         embedded = EmbeddedBroker(*_split_hostport(args.broker_listen))
         broker = await embedded.start()
-    service = CoordinatorService(config, broker, args.state_dir)
+    service = CoordinatorService(config, broker, state_dir, resume_at=resume_at)
     server = create_server()
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     await enable_health_and_reflection(
@@ -88,9 +127,16 @@ async def serve(args: argparse.Namespace) -> int:
                 {"grpc_port": port, "broker_url": broker.url, "pid": os.getpid()},
             )
         stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait({stopper, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if watch.done():
+        waiting = {stopper, watch}
+        if not args.stay:
+            waiting.add(asyncio.create_task(service.finished(LEAVE_GRACE_S)))
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for task in waiting - done:
+            task.cancel()
+        if watch.done() and not watch.cancelled():
             watch.result()  # re-raise whatever ended the MQTT watch
+        if service.done.is_set():
+            print("\n".join(summary_lines(service.status())), flush=True)
         logger.info("stopping")
     finally:
         watch.cancel()

@@ -39,6 +39,7 @@ _PHASES = {
     Phase.WAITING: control_pb2.StepState.PHASE_WAITING,
     Phase.TRAINING: control_pb2.StepState.PHASE_TRAINING,
     Phase.APPLY: control_pb2.StepState.PHASE_APPLY,
+    Phase.SAVING: control_pb2.StepState.PHASE_SAVE,
     Phase.DONE: control_pb2.StepState.PHASE_DONE,
 }
 MAX_LEASE_WAIT_S = 30.0
@@ -53,11 +54,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     """Membership, placement, the step protocol and the run's counters."""
 
     def __init__(
-        self, config: RunConfig, broker: BrokerAddress, state_dir: str | Path = "swarmpipe-state"
+        self,
+        config: RunConfig,
+        broker: BrokerAddress,
+        state_dir: str | Path = "swarmpipe-state",
+        *,
+        resume_at: int = 0,
     ) -> None:
         self.config = config
+        self.state_dir = Path(state_dir)
         self.checkpoints = CheckpointStore(
-            Path(state_dir) / "checkpoints", config.run_id, keep=config.checkpoint.keep
+            self.state_dir / "checkpoints", config.run_id, keep=config.checkpoint.keep
         )
         self.broker = broker
         self.topics = Topics(config.run_id)
@@ -73,6 +80,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             lease_timeout_s=config.coordinator.lease_timeout_s,
             eval_every=config.train.eval_every,
             eval_samples=config.train.eval_samples,
+            step=resume_at,  # the first step to open (a resumed run's last complete step)
         )
         self.started_at = time.monotonic()
         self._changed = asyncio.Event()
@@ -80,6 +88,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._mqtt_ready = asyncio.Event()
         self.done = asyncio.Event()
         self._plan_published_at = 0.0
+        self.final_states: dict[int, Path] = {}
+        """Stage -> its stored final state, once the run saves (Phase.SAVING)."""
+        self._savers: dict[int, str] = {}
+        """Stage -> the replica asked to store its final state."""
+        self.joins = 0
+        self.departures = 0
 
     # -- state changes --------------------------------------------------
 
@@ -102,9 +116,62 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         state = control_pb2.StepState(
             step=p.step, phase=_PHASES[p.phase], samples=p.current.samples if p.history else 0
         )
+        if p.phase is Phase.SAVING:
+            self._choose_savers()
+            state.save_from.extend(self._savers[s] for s in sorted(self._savers))
         await self._publish(self.topics.step, state.SerializeToString())
         if p.phase is Phase.DONE:
             self.done.set()
+
+    # -- the end of the run -------------------------------------------------
+
+    async def finished(self, grace_s: float) -> None:
+        """Return once the run is done and every node has left, or `grace_s` after done."""
+        await self.done.wait()
+        deadline = time.monotonic() + grace_s
+        while any(m.online for m in self.membership.members.values()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.info("not every node has left %.0f s after the run ended", grace_s)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+
+    def _choose_savers(self) -> bool:
+        """Ask one live replica of each stage whose final state is not stored yet to store
+        it: the one asked before while it still serves, else the lowest node id. Returns
+        whether the choice changed."""
+        chosen: dict[int, str] = {}
+        for stage in range(self.config.pipeline.stages):
+            if stage in self.final_states:
+                continue
+            live = sorted(m.node_id for m in self.membership.replicas(stage))
+            if not live:
+                logger.error(
+                    "stage %d has no live replica to store its final state; waiting for one "
+                    "(a node that joins now restores the stage's latest checkpoint)",
+                    stage,
+                )
+                continue
+            before = self._savers.get(stage)
+            chosen[stage] = before if before in live else live[0]
+        changed = chosen != self._savers
+        self._savers = chosen
+        return changed
+
+    async def _final_state_stored(self, stage: int, node_id: str, path: Path) -> None:
+        """A stage's final state passed its checks: the run is done once every stage's is."""
+        self.final_states[stage] = path
+        self._savers.pop(stage, None)
+        logger.info("final state of stage %d stored from %s: %s", stage, node_id, path)
+        if len(self.final_states) == self.config.pipeline.stages:
+            self.protocol.finish()
+            logger.info(
+                "every stage's final state is stored at step %d; the run is done",
+                self.protocol.step,
+            )
+            await self._publish_step()
+            self._notify()
 
     async def _after_change(self, before: tuple[Phase, int] | None = None) -> None:
         """Move the step protocol along after membership or commits changed.
@@ -131,6 +198,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if (p.phase, p.step) != before:
             logger.info("step %d: %s", p.step, p.phase.value)
             await self._publish_step()
+        elif p.phase is Phase.SAVING and self._choose_savers():
+            await self._publish_step()  # a replica asked to save left: ask another
         self._notify()
 
     async def _step_opened(self) -> None:
@@ -165,6 +234,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
         # The joiner serves only once it holds its stage's current state (Ready).
         member = self.membership.assign(request.node_id, request.address)
+        self.joins += 1
         logger.info(
             "node %s (%s, version %s) joined: stage %d, %d replica(s) serving it",
             request.node_id,
@@ -388,6 +458,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             manifest.node_id,
             manifest.payload_bytes,
         )
+        p = self.protocol
+        if p.phase is Phase.SAVING and manifest.step == p.step:
+            await self._final_state_stored(int(manifest.stage), manifest.node_id, path)
         return coordinator_pb2.PutCheckpointReply(stored_as=str(path))
 
     def _checkpoint_writer(self, first: state_pb2.StateMessage) -> CheckpointWriter:
@@ -412,10 +485,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"node {request.node_id!r} serves stage {member.stage}, not {request.stage}",
             )
-        latest = self.checkpoints.latest(request.stage)
+        # The newest the node can start from: a resumed run may hold newer checkpoints of
+        # some stages, from after its last complete step.
+        target = self.protocol.target_step
+        latest = next(
+            (c for c in reversed(self.checkpoints.checkpoints(request.stage)) if c[0] <= target),
+            None,
+        )
         if latest is None:
             await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no checkpoint of stage {request.stage} yet"
+                grpc.StatusCode.NOT_FOUND,
+                f"no checkpoint of stage {request.stage} at step {target} or before",
             )
         assert latest is not None
         try:
@@ -444,7 +524,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 lost=c.lost,
                 outstanding=p.outstanding_samples,
             ),
+            joins=self.joins,
+            departures=self.departures,
+            state_dir=str(self.state_dir.resolve()),
         )
+        for stage, path in sorted(self.final_states.items()):
+            reply.final_states.append(
+                coordinator_pb2.FinalStateRecord(stage=stage, step=p.step, path=str(path))
+            )
         run_start = p.run_started_at or 0.0
         for s in p.history:
             if s.eval_finished_at is not None:
@@ -560,6 +647,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if presence.online:
             logger.info("node %s online (stage %d)", node_id, member.stage)
         else:
+            self.departures += 1
             requeued = self.protocol.node_lost(node_id)
             level = logging.INFO if self.protocol.phase is Phase.DONE else logging.WARNING
             logger.log(

@@ -9,8 +9,11 @@ s+1 open, so no microbatch ever meets half-updated parameters.
 Evaluation (train.eval_every > 0): a step whose index is a multiple of eval_every also
 carries evaluation leases, ranges of held-out samples that heads run forward only; the step
 cannot end before they are committed, so they measure the parameters the step trains from.
-After the last step one more evaluation-only round measures the final parameters, then the
-run is DONE. Evaluation samples are not training samples: they are left out of the counters.
+After the last step one more evaluation-only round measures the final parameters. Then the
+run SAVES: every stage's final state must be stored before it is DONE (the coordinator
+calls `finish` once it holds a checked set; see coordinator/service.py), so no node leaves
+with the last steps' training. Evaluation samples are not training samples: they are left
+out of the counters.
 
 Guarantee: every leased sample is committed or leased again. A lease returns
 to the queue (and is counted as replayed) when its head releases it, when the
@@ -31,6 +34,7 @@ class Phase(enum.Enum):
     WAITING = "waiting"  # not every stage has a live node
     TRAINING = "training"
     APPLY = "apply"
+    SAVING = "saving"  # the last step is applied: every stage's final state is being stored
     DONE = "done"
 
 
@@ -225,7 +229,10 @@ class StepProtocol:
         if not self._pending and not self._outstanding:
             stats.finished_at = self.clock()
             # The round after the last step only evaluates: nothing to apply.
-            self.phase = Phase.DONE if self.eval_only else Phase.APPLY
+            if self.eval_only:
+                self._save()
+            else:
+                self.phase = Phase.APPLY
         return None
 
     def _requeue(self, lease: Lease) -> None:
@@ -315,7 +322,7 @@ class StepProtocol:
         done = self.current
         self.counters.lost += self.global_batch - done.samples
         if self.step + 1 >= self.total_steps and not self.evaluates(self.total_steps):
-            self.phase = Phase.DONE
+            self._save()
         else:
             self._open_step(self.step + 1)
             self.phase = Phase.TRAINING
@@ -324,3 +331,17 @@ class StepProtocol:
     @property
     def awaiting(self) -> frozenset[str]:
         return frozenset(self._awaiting_ack)
+
+    # -- the end of the run -----------------------------------------------
+
+    def _save(self) -> None:
+        """Every step is applied (and the final evaluation committed): store the final state.
+        `step` becomes `total_steps`, the step the final state would take part in next, which
+        is the step its checkpoints carry."""
+        self.step = self.total_steps
+        self.phase = Phase.SAVING
+
+    def finish(self) -> None:
+        """Every stage's final state is stored: the run is done."""
+        if self.phase is Phase.SAVING:
+            self.phase = Phase.DONE

@@ -8,6 +8,13 @@ keeps it under its --state-dir), or straight into `checkpoint.dir` when that
 names a shared folder. If the replicas' plans disagree for a moment, two may
 upload the same step (the store keeps one) or none does (the next one will).
 
+At the end of the run the coordinator asks one replica of each stage for its
+final state (StepState SAVE, `save_from`); `save_final` uploads it to the
+coordinator, which checks it and ends the run only once it holds every stage's
+(coordinator/service.py). It goes to the coordinator even when
+`checkpoint.dir` names a shared folder, so the one that ends the run has seen
+it; the folder gets a copy too.
+
 `restore` fetches the stage's latest checkpoint through the same checked
 stream a live replica's state comes through (node/stage_state.py).
 """
@@ -22,6 +29,7 @@ from typing import Any
 import grpc
 
 from swarmpipe.errors import PeerError
+from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD
 from swarmpipe.node.context import StageContext
 from swarmpipe.node.stage_state import ReceivedState, StateReceiver, StateSnapshot
@@ -31,6 +39,7 @@ from swarmpipe.storage.checkpoints import CheckpointStore, state_messages
 logger = logging.getLogger(__name__)
 
 UPLOAD_TIMEOUT_S = 900.0
+FINAL_UPLOAD_ATTEMPTS = 3
 
 
 class Checkpointer:
@@ -39,6 +48,7 @@ class Checkpointer:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self._upload: asyncio.Task[None] | None = None
+        self._final: asyncio.Task[None] | None = None
 
     def _store(self) -> CheckpointStore | None:
         """The shared folder store, or None when checkpoints go through the coordinator."""
@@ -55,6 +65,8 @@ class Checkpointer:
         d = self.ctx
         config, runtime = d.config, d.runtime
         every = config.checkpoint.every_steps
+        if step >= config.train.steps:
+            return  # the final state: the coordinator asks for it once every stage is there
         if not every or step % every or not self._is_checkpointer():
             return
         if self._upload is not None and not self._upload.done():
@@ -87,8 +99,56 @@ class Checkpointer:
             details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             logger.warning("checkpoint of step %d not saved: %s", snapshot.step, details)
 
-    async def restore(self) -> ReceivedState | None:
-        """The stage's latest checkpoint, checked against this stage; None when there is none."""
+    async def save_final(self, step: int) -> None:
+        """Upload the stage's final state (the coordinator asked this replica for it)."""
+        if self._final is not None:
+            return  # MQTT delivers at least once: already saving (or saved)
+        task = self._final = asyncio.current_task()
+        assert task is not None
+        d = self.ctx
+        runtime = d.runtime
+        snapshot = await d.compute.run(BACKWARD, lambda: runtime.export_state(node_id=d.node_id))
+        if snapshot.step != step:
+            logger.error("asked for the final state of step %d, holds %d", step, snapshot.step)
+            return
+        await asyncio.to_thread(snapshot.seal)
+        await fault_points.reach("checkpoint.final", step)
+        for attempt in range(1, FINAL_UPLOAD_ATTEMPTS + 1):
+            try:
+                reply = await d.coordinator.stub.PutCheckpoint(
+                    _aiter(state_messages(snapshot.manifest, snapshot.chunks())),
+                    timeout=UPLOAD_TIMEOUT_S,
+                )
+                logger.info(
+                    "final state of stage %d at step %d stored by the coordinator (%s, %d bytes)",
+                    d.stage,
+                    step,
+                    reply.stored_as,
+                    snapshot.manifest.payload_bytes,
+                )
+                break
+            except grpc.aio.AioRpcError as exc:
+                logger.warning(
+                    "final state of step %d not stored (try %d of %d): %s",
+                    step,
+                    attempt,
+                    FINAL_UPLOAD_ATTEMPTS,
+                    exc.details(),
+                )
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    return
+                await asyncio.sleep(attempt)
+        store = self._store()
+        if store is not None:
+            try:
+                where = await asyncio.to_thread(_write_to_folder, store, snapshot)
+                logger.info("final state of stage %d copied to %s", d.stage, where)
+            except (OSError, PeerError) as exc:
+                logger.warning("final state not copied to %s: %s", store.stage_dir(d.stage), exc)
+
+    async def restore(self, at_most: int) -> ReceivedState | None:
+        """The stage's newest checkpoint of step `at_most` or before, checked against this
+        stage; None when there is none."""
         d = self.ctx
         config, runtime = d.config, d.runtime
 
@@ -102,7 +162,7 @@ class Checkpointer:
 
         store = self._store()
         if store is not None:
-            return await asyncio.to_thread(_read_from_folder, store, d.stage, receiver)
+            return await asyncio.to_thread(_read_from_folder, store, d.stage, at_most, receiver)
         r = receiver()
         try:
             call = d.coordinator.stub.GetCheckpoint(
@@ -122,8 +182,9 @@ class Checkpointer:
 
     async def close(self) -> None:
         """Let an upload in progress finish (a stopping node's last checkpoint counts)."""
-        if self._upload is not None and not self._upload.done():
-            await asyncio.wait({self._upload}, timeout=30)
+        pending = {t for t in (self._upload, self._final) if t is not None and not t.done()}
+        if pending:
+            await asyncio.wait(pending, timeout=30)
 
 
 async def _aiter(messages: Any) -> AsyncIterator[state_pb2.StateMessage]:
@@ -139,10 +200,13 @@ def _write_to_folder(store: CheckpointStore, snapshot: StateSnapshot) -> str:
 
 
 def _read_from_folder(
-    store: CheckpointStore, stage: int, make_receiver: Any
+    store: CheckpointStore, stage: int, at_most: int, make_receiver: Any
 ) -> ReceivedState | None:
-    """The newest checkpoint in the folder that passes every check (older ones as fallback)."""
+    """The newest checkpoint in the folder up to step `at_most` that passes every check
+    (older ones as fallback)."""
     for step, path in reversed(store.checkpoints(stage)):
+        if step > at_most:
+            continue
         receiver: StateReceiver = make_receiver()
         try:
             manifest, chunks = store.read(path)

@@ -444,6 +444,12 @@ class NodeDaemon:
             return  # a syncing node's state is not the stage's: it applies nothing
         elif state.phase == Phase.PHASE_APPLY and state.step == joined.ctx.runtime.step:
             self._spawn(self._apply(joined, state.step))
+        elif (
+            state.phase == Phase.PHASE_SAVE
+            and self.node_id in state.save_from
+            and state.step == joined.ctx.runtime.step
+        ):
+            self._spawn(joined.checkpointer.save_final(state.step))
 
     async def _apply(self, joined: _Joined, step: int) -> None:
         runtime = joined.ctx.runtime

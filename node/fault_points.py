@@ -29,6 +29,7 @@ POINTS = frozenset(
     {
         "reduce.sent_one",  # a replica sent its contribution to one peer, not yet the others
         "head.hop_done",  # a head got a microbatch's gradient back but has not committed it
+        "checkpoint.final",  # a replica asked for its stage's final state, before it uploads
     }
 )
 

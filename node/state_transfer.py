@@ -220,7 +220,7 @@ class StateTransfer:
             self._fresh = False
             self.report["source"] = f"replica {replica.node_id}"
             return True
-        restored = await self.checkpointer.restore()
+        restored = await self.checkpointer.restore(at_most=target)
         if restored is not None:
             if restored.step > target:
                 logger.warning(

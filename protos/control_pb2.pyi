@@ -166,7 +166,9 @@ class StepState(_message.Message):
         PHASE_APPLY: StepState._Phase.ValueType  # 3
         """every lease of `step` is committed: step the optimizer"""
         PHASE_DONE: StepState._Phase.ValueType  # 4
-        """the run has finished"""
+        """the run has finished, every stage's final state is stored"""
+        PHASE_SAVE: StepState._Phase.ValueType  # 5
+        """the last step is applied: store each stage's final state"""
 
     class Phase(_Phase, metaclass=_PhaseEnumTypeWrapper): ...
     PHASE_UNSPECIFIED: StepState.Phase.ValueType  # 0
@@ -177,25 +179,33 @@ class StepState(_message.Message):
     PHASE_APPLY: StepState.Phase.ValueType  # 3
     """every lease of `step` is committed: step the optimizer"""
     PHASE_DONE: StepState.Phase.ValueType  # 4
-    """the run has finished"""
+    """the run has finished, every stage's final state is stored"""
+    PHASE_SAVE: StepState.Phase.ValueType  # 5
+    """the last step is applied: store each stage's final state"""
 
     STEP_FIELD_NUMBER: _builtins.int
     PHASE_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    SAVE_FROM_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     phase: Global___StepState.Phase.ValueType
     samples: _builtins.int
     """committed samples of the step (APPLY)"""
+    @_builtins.property
+    def save_from(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """SAVE: the node asked to store each stage's final state"""
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
         phase: Global___StepState.Phase.ValueType = ...,
         samples: _builtins.int = ...,
+        save_from: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["phase", b"phase", "samples", b"samples", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["phase", b"phase", "samples", b"samples", "save_from", b"save_from", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

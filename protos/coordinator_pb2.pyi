@@ -603,11 +603,21 @@ class StatusReply(_message.Message):
     DONE_FIELD_NUMBER: _builtins.int
     LINK_CHOICES_FIELD_NUMBER: _builtins.int
     EVALS_FIELD_NUMBER: _builtins.int
+    FINAL_STATES_FIELD_NUMBER: _builtins.int
+    JOINS_FIELD_NUMBER: _builtins.int
+    DEPARTURES_FIELD_NUMBER: _builtins.int
+    STATE_DIR_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     step: _builtins.int
     total_steps: _builtins.int
     phase: _builtins.str
     done: _builtins.bool
+    joins: _builtins.int
+    """Join calls accepted, first joins and rejoins alike"""
+    departures: _builtins.int
+    """nodes seen going offline (Last Will or goodbye)"""
+    state_dir: _builtins.str
+    """where the coordinator keeps checkpoints"""
     @_builtins.property
     def counters(self) -> Global___SampleCounters: ...
     @_builtins.property
@@ -620,6 +630,10 @@ class StatusReply(_message.Message):
     def link_choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkChoiceRecord]: ...
     @_builtins.property
     def evals(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalRecord]: ...
+    @_builtins.property
+    def final_states(self) -> _containers.RepeatedCompositeFieldContainer[Global___FinalStateRecord]:
+        """the run's product, once it saves"""
+
     def __init__(
         self,
         *,
@@ -634,14 +648,45 @@ class StatusReply(_message.Message):
         done: _builtins.bool = ...,
         link_choices: _abc.Iterable[Global___LinkChoiceRecord] | None = ...,
         evals: _abc.Iterable[Global___EvalRecord] | None = ...,
+        final_states: _abc.Iterable[Global___FinalStateRecord] | None = ...,
+        joins: _builtins.int = ...,
+        departures: _builtins.int = ...,
+        state_dir: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "done", b"done", "evals", b"evals", "link_choices", b"link_choices", "links", b"links", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "departures", b"departures", "done", b"done", "evals", b"evals", "final_states", b"final_states", "joins", b"joins", "link_choices", b"link_choices", "links", b"links", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "state_dir", b"state_dir", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusReply: _TypeAlias = StatusReply  # noqa: Y015
+
+@_typing.final
+class FinalStateRecord(_message.Message):
+    """One stage's final state, stored and checked by the coordinator at the end of the run."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    stage: _builtins.int
+    step: _builtins.int
+    path: _builtins.str
+    def __init__(
+        self,
+        *,
+        stage: _builtins.int = ...,
+        step: _builtins.int = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "stage", b"stage", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FinalStateRecord: _TypeAlias = FinalStateRecord  # noqa: Y015
 
 @_typing.final
 class DrainRequest(_message.Message):

@@ -29,6 +29,7 @@ import grpc
 from swarmpipe.config import RunConfig, add_config_arguments, load_config
 from swarmpipe.control import link_control
 from swarmpipe.control.bus import parse_broker_url
+from swarmpipe.coordinator.summary import summary_lines
 from swarmpipe.errors import ConfigError, SwarmpipeError
 from swarmpipe.process.ready import wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
@@ -131,6 +132,8 @@ async def serve(args: argparse.Namespace) -> int:
         runner.group.stop_all()
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=2))
+    if not args.quiet and runner.final_status is not None:
+        print("\n".join(summary_lines(runner.final_status)))
     print(f"report: {path}")
     return 0
 
@@ -151,6 +154,7 @@ class Testnet:
         self.group = ProcessGroup(out)
         self.churn = churn or ChurnPlan([])
         self.churn_records: list[ChurnRecord] = []
+        self.final_status: coordinator_pb2.StatusReply | None = None
         self.target = ""
         self.broker_url = ""
         self.link_controls: set[str] = set()
@@ -179,7 +183,8 @@ class Testnet:
 
     def _start_children(self) -> str:
         common = ["--log-level", "INFO"]
-        coord_args = [*common, "coordinator", "--listen", "127.0.0.1:0"]
+        # --stay: the testnet reads the final Status after the nodes leave, then stops it.
+        coord_args = [*common, "coordinator", "--listen", "127.0.0.1:0", "--stay"]
         coord_args += ["--state-dir", str(self.out / "coordinator-state")]
         if self.args.config:
             coord_args += ["--config", str(Path(self.args.config).resolve())]
@@ -208,6 +213,7 @@ class Testnet:
             while any(c.alive() for c in self.group.children[1:]) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             status = await stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
+            self.final_status = status
         finally:
             await channel.close()
             await self._clear_link_controls()
@@ -231,6 +237,10 @@ class Testnet:
             None if self.training_began_wall is None else self.training_began_wall - started
         )
         report["churn_not_reached"] = [e.label for e in self.churn.pending]
+        report["final_states"] = [
+            {"stage": f.stage, "step": f.step, "path": f.path} for f in status.final_states
+        ]
+        report["joins"], report["departures"] = status.joins, status.departures
         return report
 
     async def _churn(self, status: coordinator_pb2.StatusReply, now: float) -> None:

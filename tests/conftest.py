@@ -62,9 +62,13 @@ class Procs:
                 raise AssertionError(f"{name} did not start: {exc}\n{log.read_text()}") from exc
         return popen, info
 
-    def coordinator(self, *settings: str, broker: str | None = None) -> str:
+    def coordinator(self, *settings: str, broker: str | None = None, stay: bool = True) -> str:
+        """Start a coordinator; by default it stays after the run is done, so a test can
+        still ask its Status (`stay=False`: it prints its summary and exits, as a user's)."""
         args = ["coordinator", "--listen", "127.0.0.1:0"]
         args += ["--state-dir", str(self.tmp / "coordinator-state")]
+        if stay:
+            args.append("--stay")
         for s in settings:
             args += ["--set", s]
         if broker:

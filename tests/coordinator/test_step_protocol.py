@@ -80,8 +80,18 @@ def test_run_finishes_with_nothing_lost() -> None:
             p.commit("h", lease.lease_id, 0.0, 1)
         p.await_acks({"h"})
         p.ack("h", step)
+    # Every step is applied: the run saves its final state before it is done.
+    assert p.phase is Phase.SAVING and p.step == 2
+    assert p.lease("h") is None
+    p.finish()
     assert p.phase is Phase.DONE
     assert p.counters.lost == 0 and p.counters.committed == 20
+
+
+def test_finish_ends_only_a_saving_run() -> None:
+    p = make(steps=2)
+    p.finish()  # still training: nothing to finish
+    assert p.phase is Phase.TRAINING
 
 
 def test_commit_of_unknown_or_foreign_lease_is_refused() -> None:
@@ -104,6 +114,9 @@ def _run_eval_protocol(p: StepProtocol) -> list[tuple[int, bool, int, int]]:
     """Drive a protocol to DONE; return every lease as (step, eval, start, count)."""
     seen = []
     while p.phase is not Phase.DONE:
+        if p.phase is Phase.SAVING:
+            p.finish()
+            continue
         while (lease := p.lease("h")) is not None:
             seen.append((lease.step, lease.eval, lease.sample_start, lease.sample_count))
             loss = 2.0 * lease.sample_count if lease.eval else 1.0
@@ -197,4 +210,4 @@ def test_no_hold_delays_the_end_of_the_run() -> None:
     p = make(steps=1)
     _finish_training(p)
     p.hold("joiner", 30.0)
-    assert p.try_advance() and p.phase is Phase.DONE
+    assert p.try_advance() and p.phase is Phase.SAVING
