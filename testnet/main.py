@@ -3,9 +3,11 @@
 Starts a coordinator (with its embedded broker, or --broker) and N node
 daemons on 127.0.0.1 ephemeral ports, shows step, loss, samples/s and bytes/s
 while they train, then writes report.json into the output folder and prints
-its path. Ctrl-C, or any child crashing, stops every process it started; a
-node killed by the churn scenario (--churn, --churn-random, see churn.py) is
-not a crash.
+its path. Ctrl-C, the coordinator exiting, or a node exiting with an error of
+its own stops every process it started. A node killed by the churn scenario
+(--churn, --churn-random, see churn.py) or by a signal from outside the testnet
+(someone's `kill -9`) is churn, recorded in the report ("died"): the run goes
+on, and stops only when the swarm cannot (no step for --stall-timeout).
 
 Exit codes: 0 when the run finished and wrote its report, 1 when a child
 crashed or the run stalled, 2 for bad arguments or config, 130 on Ctrl-C.
@@ -253,6 +255,19 @@ class Testnet:
         elapsed = now - self.training_since
         steps = len(status.steps)
         stages = {n.node_id: n.stage for n in status.nodes}
+        for dead in self.group.killed_from_outside():
+            signal_name = _signal_name(-(dead.popen.returncode or 0))
+            self._record(
+                ChurnRecord(
+                    "died",
+                    dead.name,
+                    "outside",
+                    elapsed,
+                    steps,
+                    stages.get(dead.name, -1),
+                    f"killed by {signal_name} from outside the testnet",
+                )
+            )
         for event in self.churn.due(elapsed, steps):
             if event.action == "link":
                 await self._link(event, steps=steps, stages=stages)
@@ -394,6 +409,13 @@ class Testnet:
                     print()
                 return status
             await asyncio.sleep(POLL_S)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def progress_line(status: coordinator_pb2.StatusReply, bytes_per_second: float) -> str:

@@ -39,6 +39,8 @@ class Child:
     started_at: float = field(default_factory=time.monotonic)
     killed_on_purpose: bool = False
     """A churn scenario SIGKILLed it: its exit is planned, not a crash."""
+    reported: bool = False
+    """Its death from outside the testnet is already recorded as churn."""
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -79,10 +81,27 @@ class ProcessGroup:
         return child
 
     def crashed(self) -> list[Child]:
-        """Children that exited with a non-zero code, other than those killed on purpose."""
-        return [
-            c for c in self.children if c.popen.poll() not in (None, 0) and not c.killed_on_purpose
-        ]
+        """Children that failed: the coordinator exiting with any non-zero code, or a node
+        exiting with an error of its own (code > 0). A node killed by a signal it did not
+        send itself is churn (`killed_from_outside`), as a volunteer pulling the plug is."""
+        failed = []
+        for i, c in enumerate(self.children):
+            code = c.popen.poll()
+            if code in (None, 0) or c.killed_on_purpose:
+                continue
+            if i == 0 or code > 0:
+                failed.append(c)
+        return failed
+
+    def killed_from_outside(self) -> list[Child]:
+        """Nodes that died of a signal the testnet did not send, not reported yet."""
+        found = []
+        for c in self.children[1:]:
+            code = c.popen.poll()
+            if code is not None and code < 0 and not c.killed_on_purpose and not c.reported:
+                c.reported = True
+                found.append(c)
+        return found
 
     def latest(self, name: str) -> Child | None:
         """The most recently started child of that name (a restarted node has several)."""

@@ -72,17 +72,36 @@ def test_testnet_trains_reports_and_leaves_nothing(tmp_path: Path, tiny: list[st
     poll_until(lambda: not any(_alive(p) for p in pids), 10, "every child to exit")
 
 
-def test_a_crashed_child_stops_the_whole_testnet(tmp_path: Path, tiny: list[str]) -> None:
+def test_a_coordinator_killed_from_outside_stops_the_whole_testnet(
+    tmp_path: Path, tiny: list[str]
+) -> None:
     popen = _start(tmp_path, tiny, "--steps", "100000", "--nodes", "3")
     poll_until(lambda: len(_child_pids(tmp_path)) == 4, 120, "every child to start")
-    node = read_ready_file(tmp_path / "logs" / "n1.ready.json")
-    assert node is not None
-    os.kill(int(node["pid"]), signal.SIGKILL)
+    coordinator = read_ready_file(tmp_path / "logs" / "coordinator.ready.json")
+    assert coordinator is not None
+    os.kill(int(coordinator["pid"]), signal.SIGKILL)
     output = _finish(popen)
     assert popen.returncode == 1, output
-    assert "n1 exited with code -9" in output
+    assert "coordinator exited with code -9" in output or "stopped answering" in output, output
     pids = _child_pids(tmp_path)
     poll_until(lambda: not any(_alive(p) for p in pids), 20, "every child to be stopped")
+
+
+def test_a_node_killed_from_outside_is_churn_and_the_run_goes_on(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    # 4 nodes on 2 stages: every stage has a second replica, so the swarm can go on.
+    popen = _start(tmp_path, tiny, "--steps", "150", "--nodes", "4", "--stages", "2")
+    ready = tmp_path / "logs" / "n3.ready.json"
+    node = poll_until(lambda: (r := read_ready_file(ready)) and r.get("serving") and r, 120, "n3")
+    os.kill(int(node["pid"]), signal.SIGKILL)
+    output = _finish(popen)
+    assert popen.returncode == 0, output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["counters"]["lost"] == 0 and len(report["steps"]) == 150
+    (died,) = [r for r in report["churn"] if r["action"] == "died"]
+    assert died["node"] == "n3" and died["outcome"] == "killed by SIGKILL from outside the testnet"
+    assert "churn: died n3" in output, output
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path, tiny: list[str]) -> None:
