@@ -42,7 +42,8 @@ def test_services_are_a_broker_a_coordinator_and_scalable_nodes(compose: dict[st
     assert services["node"]["deploy"]["replicas"] >= 2
     for name in ("coordinator", "node"):
         assert services[name]["build"]["dockerfile"] == "deploy/Dockerfile"
-        assert services[name]["restart"] == "on-failure"
+    assert services["node"]["restart"] == "on-failure"
+    assert services["coordinator"]["restart"] == "no"  # a restart must be told to resume
     for service in services.values():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
