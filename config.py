@@ -410,7 +410,7 @@ class RunConfig:
     """Everything that defines a run; the coordinator sends it to every node."""
 
     run_id: str = "testnet"
-    """Names the run's MQTT topics (swarmpipe/<run_id>/...)."""
+    """Names the run's MQTT topics (`swarmpipe/<run_id>/...`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
