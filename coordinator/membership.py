@@ -1,4 +1,11 @@
-"""Who is in the swarm, which stage each node serves, and the plan built from that."""
+"""Who is in the swarm, which stage each node serves, and the plan built from that.
+
+Healing: when a stage loses its last live replica and no node is on its way to it, `heal`
+moves a replica from the stage with the most live replicas (the one with the lowest
+measured rate, so the donor stage loses least). The mover leaves the plan at once (its
+old stage keeps at least one replica), fetches the new stage's state (from its latest
+checkpoint, as no replica is left) and serves it once Ready, like a joiner.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +40,18 @@ class Member:
     joins a running run is online but not serving while it downloads that state."""
     ready_step: int = -1
     """A syncing node holding the state of the step about to open; it serves from then."""
+    move_order: int = 0
+    """The latest move the coordinator ordered for this node (0: none); listed in the plan
+    until the node serves its new stage."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveOrder:
+    order: int
+    node_id: str
+    from_stage: int
+    to_stage: int
+    reason: str
 
 
 @dataclass(slots=True)
@@ -45,6 +64,7 @@ class Membership:
     members: dict[str, Member] = field(default_factory=dict)
     plan_version: int = 0
     published_weights: dict[str, float] = field(default_factory=dict)
+    moves: list[MoveOrder] = field(default_factory=list)
 
     def _holds_stage(self, m: Member, now: float) -> bool:
         if m.drained:
@@ -93,6 +113,46 @@ class Membership:
         """Every stage has at least one live replica."""
         return {m.stage for m in self.live()} == set(range(self.num_stages))
 
+    def _coming(self, stage: int, now: float) -> bool:
+        """A node is on its way to `stage`: joined or moved there, online (or not announced
+        yet, within JOIN_GRACE_S) and fetching its state."""
+        return any(
+            m.stage == stage and not m.serving and self._holds_stage(m, now)
+            for m in self.members.values()
+        )
+
+    def heal(self) -> MoveOrder | None:
+        """Move a replica to a stage that has none left and nobody coming, from the stage
+        with the most live replicas (at least two); None when no such move exists."""
+        now = time.monotonic()
+        live = self.live()
+        by_stage: dict[int, list[Member]] = {s: [] for s in range(self.num_stages)}
+        for m in live:
+            by_stage[m.stage].append(m)
+        empty = [s for s, ms in by_stage.items() if not ms and not self._coming(s, now)]
+        donor = max(by_stage, key=lambda s: (len(by_stage[s]), -s))
+        if not empty or len(by_stage[donor]) < 2:
+            return None
+
+        def rate(m: Member) -> float:
+            t = m.telemetry
+            return t.compute_samples_per_second if t is not None else 0.0
+
+        mover = min(by_stage[donor], key=lambda m: (rate(m), m.node_id))
+        target = empty[0]
+        order = MoveOrder(
+            order=len(self.moves) + 1,
+            node_id=mover.node_id,
+            from_stage=donor,
+            to_stage=target,
+            reason=f"stage {target} lost its last replica; stage {donor} had "
+            f"{len(by_stage[donor])}",
+        )
+        mover.stage, mover.serving, mover.ready_step = target, False, -1
+        mover.move_order = order.order
+        self.moves.append(order)
+        return order
+
     def weights(self, stage: int) -> dict[str, float]:
         """Routing weight of each live replica of `stage`: its measured compute rate.
 
@@ -140,4 +200,14 @@ class Membership:
             activation_codec=self.activation_codec,  # type: ignore[arg-type]
             gradient_codec=self.gradient_codec,  # type: ignore[arg-type]
             drained=sorted(m.node_id for m in self.members.values() if m.drained),
+            moves=[
+                control_pb2.Move(
+                    node_id=m.node_id,
+                    stage=m.stage,
+                    order=m.move_order,
+                    reason=self.moves[m.move_order - 1].reason,
+                )
+                for m in sorted(self.members.values(), key=lambda m: m.node_id)
+                if m.move_order and not m.serving and not m.drained
+            ],
         )

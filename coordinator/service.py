@@ -94,6 +94,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Stage -> the replica asked to store its final state."""
         self.joins = 0
         self.departures = 0
+        self.move_records: list[coordinator_pb2.MoveRecord] = []
 
     # -- state changes --------------------------------------------------
 
@@ -122,6 +123,33 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self._publish(self.topics.step, state.SerializeToString())
         if p.phase is Phase.DONE:
             self.done.set()
+
+    # -- moving nodes -------------------------------------------------------
+
+    async def _heal(self) -> None:
+        """A stage lost its last replica and nobody is on the way: move one there."""
+        order = self.membership.heal()
+        if order is None:
+            return
+        p = self.protocol
+        logger.warning(
+            "moving node %s from stage %d to stage %d: %s",
+            order.node_id,
+            order.from_stage,
+            order.to_stage,
+            order.reason,
+        )
+        self.move_records.append(
+            coordinator_pb2.MoveRecord(
+                node_id=order.node_id,
+                from_stage=order.from_stage,
+                to_stage=order.to_stage,
+                reason=order.reason,
+                step=p.step,
+                elapsed_s=time.monotonic() - (p.run_started_at or time.monotonic()),
+            )
+        )
+        await self._publish_plan()
 
     # -- the end of the run -------------------------------------------------
 
@@ -187,6 +215,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         elif p.phase is Phase.TRAINING and not self.membership.covered():
             logger.warning("a stage has no live node; leasing paused until one joins")
             p.pause()
+        if p.history and p.phase is not Phase.DONE and p.phase is not Phase.SAVING:
+            await self._heal()
         if p.phase is Phase.APPLY:
             if before[0] is not Phase.APPLY:
                 # The step just ended: every live node must apply it before the next opens.
@@ -526,6 +556,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             ),
             joins=self.joins,
             departures=self.departures,
+            moves=self.move_records,
             state_dir=str(self.state_dir.resolve()),
         )
         for stage, path in sorted(self.final_states.items()):

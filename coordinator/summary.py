@@ -50,7 +50,13 @@ def summary_lines(status: coordinator_pb2.StatusReply) -> list[str]:
         f"  samples: leased {c.leased}, committed {c.committed}, replayed {c.replayed}, "
         f"duplicates {c.duplicates}, lost {c.lost}",
         f"  churn: {status.joins} joins, {status.departures} departures, "
+        f"{len(status.moves)} moves, "
         f"{sum(1 for n in status.nodes if n.online)} of {len(status.nodes)} nodes online",
+    ]
+    lines += [
+        f"    moved {m.node_id} from stage {m.from_stage} to {m.to_stage} at step {m.step}: "
+        f"{m.reason}"
+        for m in status.moves[-5:]
     ]
     if status.final_states:
         step = status.final_states[0].step

@@ -72,6 +72,10 @@ class NodeStatus:
     def start_serving(self) -> None:
         self._serving = True
 
+    def stop_serving(self) -> None:
+        """The node is moving to another stage: it serves nothing until it holds that one."""
+        self._serving = False
+
     @property
     def in_flight(self) -> int:
         """Microbatches this node is working on (as head or as a stage of the pipeline)."""

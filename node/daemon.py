@@ -131,6 +131,8 @@ class NodeDaemon:
         self._applying: set[int] = set()
         self._last_step_state: control_pb2.StepState | None = None
         self._ready_info: dict[str, Any] = {}
+        self._client: aiomqtt.Client | None = None
+        self._move_order = 0
 
     @property
     def failed(self) -> bool:
@@ -207,13 +209,7 @@ class NodeDaemon:
                 host,
                 port,
             )
-            if stage == 0:
-                from swarmpipe.data import Corpus
-
-                corpus = await asyncio.to_thread(
-                    Corpus.load, config.data, config.model.context, config.train.seed
-                )
-                joined.head = Head(joined.ctx, corpus)
+            await self._add_head(joined)
             broker_url = self.options.broker or reply.broker_url
             broker = parse_broker_url(broker_url)
             if broker.host in ("127.0.0.1", "0.0.0.0", "localhost") and coord_host not in (
@@ -243,12 +239,13 @@ class NodeDaemon:
                 retain=True,
             )
             async with self._open_bus(broker, self._topics, will) as client:
+                self._client = client
                 self._spawn(self._read_mqtt(client))
                 self._spawn(self._telemetry_loop(client))
                 self._spawn(self._start_serving(joined))
                 await self.status.wait_stop()
                 await self._drain()
-                await joined.checkpointer.close()
+                await self.joined.checkpointer.close()
                 useful = max(time.monotonic() - self.status.started_at, 1e-9)
                 logger.info("leaving: %s", self.status_line(self.status.samples_processed / useful))
                 await self._cancel_tasks()
@@ -323,6 +320,48 @@ class NodeDaemon:
             async with stack:
                 yield client
             return
+
+    async def _add_head(self, joined: _Joined) -> None:
+        """A stage-0 node leads: it gets a Head with the run's corpus."""
+        if joined.ctx.stage != 0:
+            return
+        from swarmpipe.data import Corpus
+
+        config = joined.ctx.config
+        corpus = await asyncio.to_thread(
+            Corpus.load, config.data, config.model.context, config.train.seed
+        )
+        joined.head = Head(joined.ctx, corpus)
+
+    async def _move(self, stage: int, reason: str) -> None:
+        """The coordinator moved this node to `stage`: stop serving the old one, let its
+        microbatches finish, build the new stage, fetch its state and serve it."""
+        old = self.joined
+        assert old is not None and self._topics is not None
+        logger.warning("moving from stage %d to stage %d: %s", old.ctx.stage, stage, reason)
+        self.status.stop_serving()  # refuse new microbatches; senders reroute
+        if old.head is not None:
+            old.head.stopping.set()
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.status.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        config = old.ctx.config
+        runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
+        joined = self.joined = self._build(config, stage, runtime)
+        self._applying.clear()  # step numbers of the old stage's applies
+        await self._add_head(joined)
+        set_log_identity(f"node {self.node_id} stage {stage}")
+        self._ready_info.update(stage=stage, serving=False)
+        if self.options.ready_file:
+            write_ready_file(self.options.ready_file, self._ready_info)
+        if self._client is not None:
+            await self._client.publish(
+                self._topics.presence(self.node_id),
+                self._presence(online=True).SerializeToString(),
+                qos=1,
+                retain=True,
+            )
+        await self._start_serving(joined)
 
     async def _start_serving(self, joined: _Joined) -> None:
         """Catch up with the swarm, then take traffic (and lead, on stage 0)."""
@@ -431,6 +470,13 @@ class NodeDaemon:
         self.router.set_plan(plan)
         if self.node_id in plan.drained:
             self.stop("drained by the coordinator")
+            return
+        for move in plan.moves:
+            if move.node_id == self.node_id and move.order > self._move_order:
+                # Plans are retained and redelivered: each order is carried out once.
+                self._move_order = move.order
+                if self.joined is not None and move.stage != self.joined.ctx.stage:
+                    self._spawn(self._move(move.stage, move.reason))
 
     def _on_step(self, state: control_pb2.StepState) -> None:
         Phase = control_pb2.StepState

@@ -116,6 +116,7 @@ class Plan(_message.Message):
     ACTIVATION_CODEC_FIELD_NUMBER: _builtins.int
     GRADIENT_CODEC_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
+    MOVES_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     num_stages: _builtins.int
     activation_codec: _tensor_pb2.Codec.ValueType
@@ -128,6 +129,10 @@ class Plan(_message.Message):
     def drained(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """nodes the organiser drained: they must exit"""
 
+    @_builtins.property
+    def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___Move]:
+        """nodes the coordinator moved to another stage, not serving yet"""
+
     def __init__(
         self,
         *,
@@ -137,14 +142,46 @@ class Plan(_message.Message):
         activation_codec: _tensor_pb2.Codec.ValueType = ...,
         gradient_codec: _tensor_pb2.Codec.ValueType = ...,
         drained: _abc.Iterable[_builtins.str] | None = ...,
+        moves: _abc.Iterable[Global___Move] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_codec", b"activation_codec", "drained", b"drained", "gradient_codec", b"gradient_codec", "num_stages", b"num_stages", "stages", b"stages", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_codec", b"activation_codec", "drained", b"drained", "gradient_codec", b"gradient_codec", "moves", b"moves", "num_stages", b"num_stages", "stages", b"stages", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Plan: _TypeAlias = Plan  # noqa: Y015
+
+@_typing.final
+class Move(_message.Message):
+    """A node the coordinator moved: it builds `stage`, fetches its state and serves it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    ORDER_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    stage: _builtins.int
+    order: _builtins.int
+    """increases with every move the coordinator orders"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        stage: _builtins.int = ...,
+        order: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "order", b"order", "reason", b"reason", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Move: _TypeAlias = Move  # noqa: Y015
 
 @_typing.final
 class StepState(_message.Message):

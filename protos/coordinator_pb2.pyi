@@ -607,6 +607,7 @@ class StatusReply(_message.Message):
     JOINS_FIELD_NUMBER: _builtins.int
     DEPARTURES_FIELD_NUMBER: _builtins.int
     STATE_DIR_FIELD_NUMBER: _builtins.int
+    MOVES_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     step: _builtins.int
     total_steps: _builtins.int
@@ -634,6 +635,10 @@ class StatusReply(_message.Message):
     def final_states(self) -> _containers.RepeatedCompositeFieldContainer[Global___FinalStateRecord]:
         """the run's product, once it saves"""
 
+    @_builtins.property
+    def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___MoveRecord]:
+        """every stage change the coordinator ordered"""
+
     def __init__(
         self,
         *,
@@ -652,14 +657,51 @@ class StatusReply(_message.Message):
         joins: _builtins.int = ...,
         departures: _builtins.int = ...,
         state_dir: _builtins.str = ...,
+        moves: _abc.Iterable[Global___MoveRecord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "departures", b"departures", "done", b"done", "evals", b"evals", "final_states", b"final_states", "joins", b"joins", "link_choices", b"link_choices", "links", b"links", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "state_dir", b"state_dir", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "departures", b"departures", "done", b"done", "evals", b"evals", "final_states", b"final_states", "joins", b"joins", "link_choices", b"link_choices", "links", b"links", "moves", b"moves", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "state_dir", b"state_dir", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusReply: _TypeAlias = StatusReply  # noqa: Y015
+
+@_typing.final
+class MoveRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    FROM_STAGE_FIELD_NUMBER: _builtins.int
+    TO_STAGE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    ELAPSED_S_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    from_stage: _builtins.int
+    to_stage: _builtins.int
+    reason: _builtins.str
+    step: _builtins.int
+    """the run's step when it was ordered"""
+    elapsed_s: _builtins.float
+    """seconds since step 0 opened"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        from_stage: _builtins.int = ...,
+        to_stage: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        step: _builtins.int = ...,
+        elapsed_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "from_stage", b"from_stage", "node_id", b"node_id", "reason", b"reason", "step", b"step", "to_stage", b"to_stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveRecord: _TypeAlias = MoveRecord  # noqa: Y015
 
 @_typing.final
 class FinalStateRecord(_message.Message):

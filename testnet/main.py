@@ -243,6 +243,17 @@ class Testnet:
             {"stage": f.stage, "step": f.step, "path": f.path} for f in status.final_states
         ]
         report["joins"], report["departures"] = status.joins, status.departures
+        report["moves"] = [
+            {
+                "node": m.node_id,
+                "from_stage": m.from_stage,
+                "to_stage": m.to_stage,
+                "reason": m.reason,
+                "step": m.step,
+                "elapsed_s": m.elapsed_s,
+            }
+            for m in status.moves
+        ]
         return report
 
     async def _churn(self, status: coordinator_pb2.StatusReply, now: float) -> None:

@@ -163,3 +163,42 @@ def test_a_scheduled_kill_is_not_a_crash_and_the_node_rejoins(
     peers = [m for m in report["members"] if m["stage"] == again["stage"]]
     assert again["last_step"] == steps - 1, report["members"]
     assert len({m["param_digest"] for m in peers}) == 1, peers
+
+
+def test_a_stage_that_loses_its_last_replica_gets_a_node_moved_to_it(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    # 4 nodes on 3 stages: stage 0 has two replicas, stages 1 and 2 one each. The only
+    # replica of stage 2 is SIGKILLed from outside and no node is started after it.
+    popen = _start(
+        tmp_path, tiny, "--steps", "120", "--nodes", "4", "--set", "checkpoint.every_steps=5"
+    )
+    logs = tmp_path / "logs"
+    poll_until(lambda: len(_child_pids(tmp_path)) == 5, 120, "every child to start")
+    coordinator = read_ready_file(logs / "coordinator.ready.json")
+    assert coordinator is not None
+    with grpc.insecure_channel(f"127.0.0.1:{coordinator['grpc_port']}") as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        status = poll_until(
+            lambda: (
+                (s := stub.Status(coordinator_pb2.StatusRequest(), timeout=5)).steps
+                and len(s.steps) >= 6
+                and s
+            ),
+            120,
+            "a checkpoint of every stage",
+        )
+    (victim,) = [n.node_id for n in status.nodes if n.stage == 2]
+    node = read_ready_file(logs / f"{victim}.ready.json")
+    assert node is not None
+    os.kill(int(node["pid"]), signal.SIGKILL)
+    output = _finish(popen)
+    assert popen.returncode == 0, output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["counters"]["lost"] == 0 and len(report["steps"]) == 120
+    (move,) = report["moves"]
+    assert (move["from_stage"], move["to_stage"]) == (0, 2), move
+    assert "stage 2 lost its last replica" in move["reason"]
+    assert [r["node"] for r in report["churn"] if r["action"] == "died"] == [victim]
+    moved = next(m for m in report["members"] if m["node_id"] == move["node"])
+    assert moved["stage"] == 2 and moved["last_step"] == 119, report["members"]
