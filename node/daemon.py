@@ -186,7 +186,7 @@ class NodeDaemon:
             config = RunConfig.from_json(reply.run_config_json)
             stage = reply.stage
             self.router.configure(config.pipeline)
-            set_log_identity(f"node {self.node_id} stage {stage}")
+            set_log_identity(f"node {self.node_id} stage {stage}", node=self.node_id, stage=stage)
             link_mbit = self.options.link_mbit
             if link_mbit is None:
                 link_mbit = config.pipeline.link_mbit

@@ -49,6 +49,7 @@ async def serve(args: argparse.Namespace) -> int:
     # and a bad flag must not wait for (process/subcommands.py).
     from swarmpipe.control.link_control import ALL
     from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
+    from swarmpipe.process.logs import set_log_identity
 
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
@@ -68,6 +69,8 @@ async def serve(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         link_mbit=args.link_mbit,
     )
+    # Until it knows its stage (daemon.py adds it at Join), a node's lines carry its id.
+    set_log_identity(f"node {options.node_id}", node=options.node_id)
     daemon = NodeDaemon(options)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, daemon.stop, "SIGTERM")
