@@ -6,27 +6,34 @@ counters the daemon keeps anyway, at scrape time. The endpoint uses its own regi
 prometheus_client's global one, so a scrape shows this daemon's metrics and no
 process-wide defaults.
 
-The HTTP server runs in prometheus_client's thread, but the daemon's state belongs to its
-asyncio loop (dicts that the loop changes between awaits), so a scrape does not read it from
-that thread: it schedules the family builder on the loop and waits for the result there.
-The loop is never blocked by a scrape; a scrape waits for at most `SCRAPE_TIMEOUT_S` when
-the loop is busy, and then fails (Prometheus records the failed scrape) rather than hang.
+The HTTP server (prometheus_client's WSGI app on the standard library's server) runs in a
+thread of its own, but the daemon's state belongs to its asyncio loop (dicts that the loop
+changes between awaits), so a scrape does not read it from that thread: it schedules the
+family builder on the loop and waits for the result there. The loop is never blocked by a
+scrape; a scrape waits for at most `SCRAPE_TIMEOUT_S` when the loop is busy, and then fails
+with a 503 (Prometheus records the failed scrape) rather than hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
+import logging
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client.core import CollectorRegistry, Metric
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from swarmpipe.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 5.0
 
@@ -80,6 +87,11 @@ def registry_of(
     return registry
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No line per request: Prometheus scrapes every few seconds."""
+
+
 @dataclass(slots=True)
 class MetricsServer:
     """The running endpoint; `close()` stops it."""
@@ -103,14 +115,37 @@ class MetricsServer:
 def serve_metrics(host: str, port: int, families: Families) -> MetricsServer:
     """Serve `families` on http://host:port/metrics (port 0: any free one) from a thread.
 
-    Call from the loop that owns the state the families read.
+    Call from the loop that owns the state the families read. `host` is an IP address.
     """
-    registry = registry_of(families, asyncio.get_running_loop())
+    exposition = make_wsgi_app(registry_of(families, asyncio.get_running_loop()))
+
+    def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        try:
+            return exposition(environ, start_response)  # type: ignore[no-any-return]
+        except Exception as exc:
+            # wsgiref would print a bare traceback to stderr, past the log's format; a
+            # failed scrape is one logged line and a 503 that Prometheus records.
+            logger.warning("a metrics scrape failed: %r", exc)
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [f"metrics unavailable: {exc!r}\n".encode()]
+
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+
+    class Server(ThreadingWSGIServer):
+        """prometheus_client's thread-per-request server, in the address family of `host`."""
+
+        address_family = family
+
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server = make_server(host, port, app, Server, handler_class=_QuietHandler)
     except OSError as exc:
         raise ConfigError(
             f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); "
             "give another --metrics-port, or 0 for any free one"
         ) from exc
+    # A short poll interval: close() waits up to one for the serving loop to notice.
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics", daemon=True
+    )
+    thread.start()
     return MetricsServer(host, int(server.server_port), server, thread)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -50,6 +51,25 @@ async def test_a_scrape_reads_the_state_on_the_loop_thread_while_the_loop_runs()
     ]
     assert 0 < values[0] < values[1]  # read at scrape time, not once
     assert threads == [threading.get_ident()] * 2  # built on the loop, not the HTTP thread
+
+
+async def test_a_failing_scrape_is_a_503_and_one_log_line(
+    caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    def families() -> list[Metric]:
+        raise RuntimeError("state is gone")
+
+    server = serve_metrics("127.0.0.1", 0, families)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            await asyncio.to_thread(_get, server.url)
+    finally:
+        server.close()
+    assert failed.value.code == 503
+    assert [r.getMessage() for r in caplog.records] == [
+        "a metrics scrape failed: RuntimeError('state is gone')"
+    ]
+    assert "Traceback" not in capfd.readouterr().err  # wsgiref prints none either
 
 
 async def test_a_port_in_use_is_a_config_error_naming_the_flag() -> None:
