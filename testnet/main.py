@@ -265,13 +265,12 @@ class Testnet:
         return report
 
     async def _churn(self, status: coordinator_pb2.StatusReply, now: float) -> None:
-        """Perform the churn events due now and record them."""
-        if self.training_since is None:
-            if status.phase == "waiting" and not status.steps:
-                return
+        """Record nodes killed from outside, perform the churn events due now and record
+        them."""
+        if self.training_since is None and not (status.phase == "waiting" and not status.steps):
             self.training_since = now
             self.training_began_wall = time.time()
-        elapsed = now - self.training_since
+        elapsed = 0.0 if self.training_since is None else now - self.training_since
         steps = len(status.steps)
         stages = {n.node_id: n.stage for n in status.nodes}
         for dead in self.group.killed_from_outside():
@@ -287,6 +286,8 @@ class Testnet:
                     f"killed by {signal_name} from outside the testnet",
                 )
             )
+        if self.training_since is None:
+            return  # the schedules count from the start of training
         for event in self.churn.due(elapsed, steps):
             if event.action == "link":
                 await self._link(event, steps=steps, stages=stages)
