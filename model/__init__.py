@@ -26,6 +26,7 @@ from swarmpipe.model.partition import (
     build_stage,
     n_model_layers,
     stage_layer_ranges,
+    stage_module_counts,
     token_loss_sum,
 )
 
@@ -45,5 +46,6 @@ __all__ = [
     "build_stage",
     "n_model_layers",
     "stage_layer_ranges",
+    "stage_module_counts",
     "token_loss_sum",
 ]
