@@ -26,15 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count,
         help="held-out samples to evaluate (default: the run's train.eval_samples)",
     )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
 
 def serve(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
     from swarmpipe.data import Corpus
     from swarmpipe.model.exported import load_exported, read_exported_info
     from swarmpipe.model.reference import evaluate
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     info = read_exported_info(args.model)
     model = load_exported(args.model)
     config = info.config

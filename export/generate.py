@@ -48,11 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sample among the k likeliest bytes only; 0 uses all (0)",
     )
     parser.add_argument("--seed", type=_non_negative(int), default=0, help="sampling seed (0)")
+    parser.add_argument(
+        "--threads",
+        type=_non_negative(int),
+        default=0,
+        help="torch threads (0: torch's default; 1 is often fastest for a small model on a "
+        "busy machine)",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
+    import torch
+
     from swarmpipe.model.exported import load_exported, read_exported_info
     from swarmpipe.model.sampling import sample_tokens
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prompt = args.prompt.encode("utf-8")
     if not prompt:
