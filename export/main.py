@@ -1,11 +1,12 @@
 """`swarmpipe export`: one step of a run's stage checkpoints as one safetensors model file.
 
-Reads `<dir>/checkpoints/<run>/stage-<s>/step-<N>.ckpt` (the coordinator's --state-dir)
-or `<dir>/<run>/stage-<s>/...` (a shared checkpoint.dir), takes step N or by default the
-newest step that every stage has, checks each file (sha256, run, stage count, step, run
-config), and writes the model's parameters, optimizer state left out, under the
-single-process model's state_dict() names. The run config goes into the file's metadata
-and, with the tensor names and shapes, into a .json beside it. Prints one line.
+Reads `<dir>/checkpoints/<run>/stage-<s>/step-<N>.ckpt` (the coordinator's --state-dir; a
+testnet's --out holds one as coordinator-state/) or `<dir>/<run>/stage-<s>/...` (a shared
+checkpoint.dir), takes step N or by default the newest step that every stage has, checks
+each file (sha256, run, stage count, step, run config), and writes the model's parameters,
+optimizer state left out, under the single-process model's state_dict() names. The run
+config goes into the file's metadata and, with the tensor names and shapes, into a .json
+beside it. Prints one line.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir",
         required=True,
-        help="the coordinator's --state-dir, or the shared folder checkpoint.dir names",
+        help="the coordinator's --state-dir, the shared folder checkpoint.dir names, or a "
+        "testnet's --out",
     )
     parser.add_argument(
         "--run", dest="run_id", help="the run to export (default: the only one in the folder)"

@@ -178,7 +178,9 @@ def write_exported(
     temps: list[Path] = []
     try:
         model_tmp = _temp_beside(out, temps)
+        mode = model_tmp.stat().st_mode
         save_file(tensors, str(model_tmp), metadata=metadata)
+        model_tmp.chmod(mode)  # save_file recreates the file private (0600)
         _fsync(model_tmp)
         json_tmp = _temp_beside(description, temps)
         json_tmp.write_text(json.dumps(summary, indent=2) + "\n")

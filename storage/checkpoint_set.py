@@ -70,12 +70,15 @@ class CheckpointSet:
 
 def checkpoint_root(state_dir: str | Path) -> Path:
     """The folder holding `<run_id>/stage-<s>/`: the coordinator's `--state-dir` keeps it in
-    `checkpoints/`; a shared `checkpoint.dir` is it."""
+    `checkpoints/`, a testnet's `--out` keeps that state dir in `coordinator-state/`, and a
+    shared `checkpoint.dir` is it."""
     folder = Path(state_dir)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder")
-    inner = folder / "checkpoints"
-    return inner if inner.is_dir() else folder
+    for inner in (folder / "checkpoints", folder / "coordinator-state" / "checkpoints"):
+        if inner.is_dir():
+            return inner
+    return folder
 
 
 def _stage_dirs(run_dir: Path) -> dict[int, Path]:

@@ -112,6 +112,15 @@ def test_the_exported_model_computes_what_the_stages_compute(
     assert list(description["tensors"]) == list(fresh)
     assert description["parameters"] == done.parameters == sum(v.numel() for v in fresh.values())
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.json", "model.safetensors"]
+    # Files to share, as the umask makes them, not private (0600) as save_file makes its own.
+    (tmp_path / "probe").touch()
+    mode = (tmp_path / "probe").stat().st_mode
+    assert [p.stat().st_mode for p in out.parent.iterdir()] == [mode, mode]
+
+
+def test_a_testnet_out_folder_is_a_state_dir(tmp_path: Path) -> None:
+    _save_run(tmp_path / "coordinator-state" / "checkpoints", _config(), 3)
+    assert read_checkpoint_set(tmp_path).step == 3
 
 
 def test_a_shared_checkpoint_folder_and_the_newest_complete_step(tmp_path: Path) -> None:
