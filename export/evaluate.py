@@ -4,7 +4,8 @@ The same held-out samples (the first train.eval_samples of the run's corpus) and
 same mean token loss as the run's evaluations (`model.reference.evaluate`), so the
 figure compares with the report's `evals` at the exported step. Prints one JSON object:
 model, run_id, step, samples, loss, and the corpus's fingerprint (the default corpus is
-the running Python's standard library, so another machine may hold other text).
+the running Python's standard library, so another machine may hold other text; data.paths
+are read as the run's config names them, relative paths from the current folder).
 """
 
 from __future__ import annotations

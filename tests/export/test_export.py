@@ -261,3 +261,9 @@ def test_the_commands_print_one_line_for_bad_input(tmp_path: Path) -> None:
     done = _swarmpipe("eval", "--model", str(tmp_path / "m.safetensors"))
     assert (done.returncode, done.stderr.count("\n")) == (1, 1)
     assert done.stderr.startswith("swarmpipe eval: error: ") and "does not exist" in done.stderr
+
+
+def test_finding_checkpoints_imports_no_torch() -> None:
+    # The checkpoint set is read without torch, like the store the coordinator uses.
+    code = "import sys, swarmpipe.storage.checkpoint_set; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
