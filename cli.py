@@ -1,4 +1,4 @@
-"""The `swarmpipe` command: coordinator, node, testnet, bench and link-limit subcommands.
+"""The `swarmpipe` command: run a swarm (coordinator, node, testnet), then use its model.
 
 Errors the user can act on (SwarmpipeError) print one line, never a traceback. A
 subcommand's module is imported only when the command line names it (see
@@ -36,6 +36,17 @@ COMMANDS: dict[str, Subcommand] = {
     "link-limit": Subcommand(
         module="swarmpipe.control.link_control",
         help="change nodes' send limits while a run goes on",
+    ),
+    "export": Subcommand(
+        module="swarmpipe.export.main",
+        help="assemble a run's stage checkpoints into one safetensors model file",
+    ),
+    "eval": Subcommand(
+        module="swarmpipe.export.evaluate",
+        help="print an exported model's held-out loss as JSON",
+    ),
+    "generate": Subcommand(
+        module="swarmpipe.export.generate", help="sample text from an exported model"
     ),
 }
 """Each subcommand's module, imported only when the command line names it."""
