@@ -1,4 +1,4 @@
-"""The `swarmpipe` command: coordinator, node, testnet, bench and link-limit subcommands.
+"""The `swarmpipe` command: run a swarm (coordinator, node, testnet), then use its model.
 
 Errors the user can act on (SwarmpipeError) print one line, never a traceback. A
 subcommand's module is imported only when the command line names it (see
@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from swarmpipe.errors import ConfigError, CoordinatorUnavailable, SwarmpipeError
+from swarmpipe.process.logs import LOG_FORMATS
 from swarmpipe.process.subcommands import Subcommand, add_subcommands
 
 EXIT_ERROR = 1
@@ -36,6 +37,17 @@ COMMANDS: dict[str, Subcommand] = {
         module="swarmpipe.control.link_control",
         help="change nodes' send limits while a run goes on",
     ),
+    "export": Subcommand(
+        module="swarmpipe.export.main",
+        help="assemble a run's stage checkpoints into one safetensors model file",
+    ),
+    "eval": Subcommand(
+        module="swarmpipe.export.evaluate",
+        help="print an exported model's held-out loss as JSON",
+    ),
+    "generate": Subcommand(
+        module="swarmpipe.export.generate", help="sample text from an exported model"
+    ),
 }
 """Each subcommand's module, imported only when the command line names it."""
 
@@ -43,6 +55,12 @@ COMMANDS: dict[str, Subcommand] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmpipe", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text lines (default), or one JSON object a line with the node id and stage",
+    )
     add_subcommands(parser, COMMANDS, dest="command", serve_dest="serve")
     return parser
 
@@ -51,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from swarmpipe.process.logs import configure_logging
 
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, who=args.command)
+    configure_logging(args.log_level, who=args.command, fmt=args.log_format)
     try:
         result = args.serve(args)
         if inspect.iscoroutine(result):

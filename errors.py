@@ -25,3 +25,11 @@ class CoordinatorUnavailable(SwarmpipeError):
 
 class DataError(SwarmpipeError):
     """The training corpus cannot be read or is too small for the run."""
+
+
+class CheckpointError(SwarmpipeError):
+    """Stage checkpoints are missing, corrupt, or do not form one step of one run."""
+
+
+class ModelFileError(SwarmpipeError):
+    """An exported model file is missing, unreadable, or not one swarmpipe wrote."""

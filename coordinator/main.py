@@ -21,6 +21,7 @@ from pathlib import Path
 
 from swarmpipe.config import add_config_arguments, load_config
 from swarmpipe.errors import ConfigError
+from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep serving Status after the run is done (default: print a summary and exit)",
     )
+    add_metrics_arguments(parser)
 
 
 def _split_hostport(value: str) -> tuple[str, int]:
@@ -66,13 +68,16 @@ def _split_hostport(value: str) -> tuple[str, int]:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    endpoint = metrics_endpoint(args)
     # Imported here, not above: grpc, the broker and the MQTT client take a while to
     # import, which `swarmpipe coordinator --help` must not wait for (process/subcommands.py).
     from swarmpipe.control.bus import BrokerAddress, parse_broker_url
     from swarmpipe.coordinator import run_state
     from swarmpipe.coordinator.broker import EmbeddedBroker
+    from swarmpipe.coordinator.metrics import coordinator_families
     from swarmpipe.coordinator.service import CoordinatorService
     from swarmpipe.coordinator.summary import summary_lines
+    from swarmpipe.process.metrics import MetricsServer, serve_metrics
     from swarmpipe.process.ready import write_ready_file
     from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
     from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
@@ -106,6 +111,14 @@ async def serve(args: argparse.Namespace) -> int:
         server, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
     )
     port = bind(server, args.listen)
+    metrics: MetricsServer | None = None
+    if endpoint is not None:
+        stages = config.pipeline.stages
+        metrics = serve_metrics(
+            *endpoint,
+            lambda: coordinator_families(service.status(), stages=stages),
+        )
+        logger.info("metrics on %s", metrics.url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,7 +137,12 @@ async def serve(args: argparse.Namespace) -> int:
         if args.ready_file:
             write_ready_file(
                 args.ready_file,
-                {"grpc_port": port, "broker_url": broker.url, "pid": os.getpid()},
+                {
+                    "grpc_port": port,
+                    "broker_url": broker.url,
+                    "pid": os.getpid(),
+                    "metrics_port": metrics.port if metrics else None,
+                },
             )
         stopper = asyncio.create_task(stop.wait())
         waiting = {stopper, watch}
@@ -143,6 +161,8 @@ async def serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await watch
         await server.stop(grace=2.0)
+        if metrics is not None:
+            metrics.close()
         if embedded is not None:
             await embedded.stop()
     return 0

@@ -10,6 +10,7 @@ backpropagates: summed, so gradients are divided by the token count once per ste
 every stage cut; `StageModule` runs a stage's modules and hands token ids to the
 ones that re-add token embeddings. `build_optimizer` is every stage's (and the
 baseline's) AdamW, with the boundary projections at their own learning rate.
+`load_exported` reads back the single-process model that `swarmpipe export` wrote.
 """
 
 from swarmpipe.model.bottleneck import (
@@ -19,6 +20,7 @@ from swarmpipe.model.bottleneck import (
     build_bottleneck_up,
     build_optimizer,
 )
+from swarmpipe.model.exported import load_exported
 from swarmpipe.model.gpt import Block, Embedding, Head, build_gpt_layer, build_gpt_layers
 from swarmpipe.model.partition import (
     StageModule,
@@ -26,6 +28,7 @@ from swarmpipe.model.partition import (
     build_stage,
     n_model_layers,
     stage_layer_ranges,
+    stage_module_counts,
     token_loss_sum,
 )
 
@@ -43,7 +46,9 @@ __all__ = [
     "build_gpt_layers",
     "build_optimizer",
     "build_stage",
+    "load_exported",
     "n_model_layers",
     "stage_layer_ranges",
+    "stage_module_counts",
     "token_loss_sum",
 ]

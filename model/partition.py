@@ -142,6 +142,18 @@ def build_stage(cfg: RunConfig, stage: int) -> StageModule:
     return StageModule(*_gpt_stage_modules(cfg, stage, ranges))
 
 
+def stage_module_counts(cfg: RunConfig) -> list[int]:
+    """How many modules each stage holds, in order: the whole model is their concatenation,
+    so stage s's module i is module `sum(counts[:s]) + i` of `build_full_model`."""
+    stages = cfg.pipeline.stages
+    if cfg.model.factory:
+        return [len(r) for r in stage_layer_ranges(n_model_layers(cfg), stages)]
+    counts = [len(r) for r in stage_layer_ranges(cfg.model.n_layers + 2, stages)]
+    if cfg.model.bottleneck:  # a down-projection ends, an up-projection starts, each cut
+        counts = [n + (s > 0) + (s < stages - 1) for s, n in enumerate(counts)]
+    return counts
+
+
 def build_full_model(cfg: RunConfig) -> StageModule:
     """Every module in one, the bottleneck boundaries included: the single-process baseline."""
     if cfg.model.factory:

@@ -22,8 +22,13 @@ def train_single_process(
     cfg: RunConfig,
     steps: int | None = None,
     evals: list[tuple[int, float]] | None = None,
+    *,
+    model: nn.Module | None = None,
 ) -> list[float]:
     """Train cfg's model in this process; return the mean token loss of each step.
+
+    `model` is trained in place when given (a fresh `build_full_model(cfg)`, kept by a
+    caller that compares parameters afterwards); by default one is built here.
 
     Step s uses samples [s*G, (s+1)*G) with G = train.global_batch, cut into
     microbatches of train.microbatch (the last may be smaller); `steps`
@@ -31,7 +36,8 @@ def train_single_process(
     (step, held-out loss) is appended where the pipeline evaluates: before every
     eval_every-th step and after the last.
     """
-    model = build_full_model(cfg)
+    if model is None:
+        model = build_full_model(cfg)
     model.train()
     corpus = Corpus.load(cfg.data, cfg.model.context, cfg.train.seed)
     t = cfg.train

@@ -31,6 +31,7 @@ from typing import Any
 
 import aiomqtt
 import torch
+from prometheus_client.core import Metric
 
 from swarmpipe import __version__
 from swarmpipe.config import RunConfig
@@ -42,6 +43,7 @@ from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
 from swarmpipe.node.head import Head
 from swarmpipe.node.links import Links
+from swarmpipe.node.metrics import node_families
 from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
@@ -49,6 +51,7 @@ from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.state_transfer import StateTransfer
 from swarmpipe.node.transport import EncodeOptions, LinkStats
 from swarmpipe.process.logs import set_log_identity
+from swarmpipe.process.metrics import MetricsServer, serve_metrics
 from swarmpipe.process.ready import write_ready_file
 from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2, stage_pb2_grpc
 from swarmpipe.transport.limits import MBIT
@@ -84,6 +87,8 @@ class NodeOptions:
     ready_file: str = ""
     link_mbit: float | None = None
     """Send limit per peer in Mbit/s overriding the run's pipeline.link_mbit; 0: unlimited."""
+    metrics: tuple[str, int] | None = None
+    """(host, port) of the Prometheus endpoint (port 0: any free one); None: no metrics."""
 
 
 def _route_host(target_host: str) -> str:
@@ -133,6 +138,8 @@ class NodeDaemon:
         self._ready_info: dict[str, Any] = {}
         self._client: aiomqtt.Client | None = None
         self._move_order = 0
+        self.samples_per_second = 0.0
+        """Samples/s, smoothed over the telemetry ticks (the status line's figure)."""
 
     @property
     def failed(self) -> bool:
@@ -166,6 +173,7 @@ class NodeDaemon:
 
     async def run(self) -> str:
         """Run until done, drained or stopped; returns why it stopped."""
+        metrics = self._serve_metrics()
         server = create_server()
         stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
         await enable_health_and_reflection(
@@ -188,7 +196,7 @@ class NodeDaemon:
             config = RunConfig.from_json(reply.run_config_json)
             stage = reply.stage
             self.router.configure(config.pipeline)
-            set_log_identity(f"node {self.node_id} stage {stage}")
+            set_log_identity(f"node {self.node_id} stage {stage}", node=self.node_id, stage=stage)
             link_mbit = self.options.link_mbit
             if link_mbit is None:
                 link_mbit = config.pipeline.link_mbit
@@ -222,6 +230,7 @@ class NodeDaemon:
                 broker = parse_broker_url(f"mqtt://{coord_host}:{broker.port}")
             self._ready_info = {
                 "grpc_port": port,
+                "metrics_port": metrics.port if metrics else None,
                 "node_id": self.node_id,
                 "stage": stage,
                 "pid": os.getpid(),
@@ -272,7 +281,30 @@ class NodeDaemon:
             await self.router.close()
             await self._channel.close()
             self.compute.close()
+            if metrics is not None:
+                metrics.close()
         return self.status.stop_reason
+
+    def _serve_metrics(self) -> MetricsServer | None:
+        """Start the Prometheus endpoint, if asked for; it reads the parts at each scrape."""
+        if self.options.metrics is None:
+            return None
+
+        def families() -> list[Metric]:
+            return node_families(
+                node_id=self.node_id,
+                stage=self.stage,
+                step=self.joined.ctx.runtime.step if self.joined is not None else 0,
+                samples_per_second=self.samples_per_second,
+                status=self.status,
+                compute=self.compute,
+                stats=self.stats,
+                router=self.router,
+            )
+
+        metrics = serve_metrics(*self.options.metrics, families)
+        logger.info("metrics on %s", metrics.url)
+        return metrics
 
     @contextlib.asynccontextmanager
     async def _open_bus(
@@ -545,6 +577,7 @@ class NodeDaemon:
             now = time.monotonic()
             samples = self.status.samples_processed
             rate = 0.5 * rate + 0.5 * (samples - last_samples) / (now - last_time)
+            self.samples_per_second = rate
             last_samples, last_time = samples, now
             await client.publish(topic, self._telemetry(rate).SerializeToString(), qos=0)
             if now >= next_status:

@@ -12,6 +12,7 @@ import asyncio
 import signal
 
 from swarmpipe.errors import ConfigError
+from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
 from swarmpipe.transport.limits import MBIT, check_limit
 
 
@@ -42,13 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="limit what this node sends to each peer to this many Mbit/s (0: unlimited); "
         "overrides the run's pipeline.link_mbit",
     )
+    add_metrics_arguments(parser)
 
 
 async def serve(args: argparse.Namespace) -> int:
+    metrics = metrics_endpoint(args)
     # Imported here, not above: the daemon imports torch, which `swarmpipe node --help`
     # and a bad flag must not wait for (process/subcommands.py).
     from swarmpipe.control.link_control import ALL
     from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
+    from swarmpipe.process.logs import set_log_identity
 
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
@@ -67,7 +71,10 @@ async def serve(args: argparse.Namespace) -> int:
         broker_retry_s=args.broker_retry,
         ready_file=args.ready_file,
         link_mbit=args.link_mbit,
+        metrics=metrics,
     )
+    # Until it knows its stage (daemon.py adds it at Join), a node's lines carry its id.
+    set_log_identity(f"node {options.node_id}", node=options.node_id)
     daemon = NodeDaemon(options)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, daemon.stop, "SIGTERM")

@@ -72,6 +72,8 @@ class Router:
         self._in_flight: dict[str, int] = defaultdict(int)
         self._rng = random.Random(seed)
         self._closing: set[asyncio.Task[None]] = set()
+        self.reroutes = 0
+        """Microbatches resent after a failed or overdue hop (`send_rerouting`'s later tries)."""
         defaults = PipelineConfig()
         self.health = PeerHealth(
             min_deadline_s=defaults.hop_timeout_min_s,
@@ -119,6 +121,18 @@ class Router:
 
     def in_flight(self, peer: str) -> int:
         return self._in_flight[peer]
+
+    def peers_benched(self) -> dict[str, bool]:
+        """Whether each other node of the current plan is benched now."""
+        plan = self.plan
+        if plan is None:
+            return {}
+        return {
+            r.node_id: self.health.benched(r.node_id)
+            for s in plan.stages
+            for r in s.replicas
+            if r.node_id != self.node_id
+        }
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -241,6 +255,8 @@ class Router:
                 break
             if attempt > 1 and give_up is not None and give_up():
                 break
+            if attempt > 1:
+                self.reroutes += 1
             try:
                 return await self.send(
                     stage,

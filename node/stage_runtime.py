@@ -295,6 +295,7 @@ class StageRuntime:
             stage=self.stage,
             num_stages=self.num_stages,
             node_id=node_id,
+            run_config=self.config.to_json(),
         )
 
     def import_state(self, state: ReceivedState, *, step: int | None = None) -> None:

@@ -94,8 +94,13 @@ def take_snapshot(
     stage: int,
     num_stages: int,
     node_id: str,
+    run_config: str,
 ) -> StateSnapshot:
-    """Copy the stage's state (run on the compute thread); `seal` it before sending."""
+    """Copy the stage's state (run on the compute thread); `seal` it before sending.
+
+    `run_config` is the run's RunConfig as JSON: it travels in the manifest so that a
+    checkpoint file alone says which model and data its tensors belong to.
+    """
     entries: list[state_pb2.StateTensor] = []
     tensors: list[torch.Tensor] = []
 
@@ -119,6 +124,7 @@ def take_snapshot(
         tensors=entries,
         payload_bytes=sum(tensor_bytes(e) for e in entries),
         node_id=node_id,
+        run_config=run_config,
     )
     payload = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
     return StateSnapshot(manifest, payload)

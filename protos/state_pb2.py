@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarmpipe.protos import tensor_pb2 as swarmpipe_dot_protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmpipe/protos/state.proto\x12\x0cswarmpipe.v1\x1a\x1dswarmpipe/protos/tensor.proto\"N\n\x0bStateTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.swarmpipe.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb4\x01\n\rStateManifest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.swarmpipe.v1.StateTensor\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06sha256\x18\x07 \x01(\x0c\x12\x0f\n\x07node_id\x18\x08 \x01(\t\"s\n\x0cStateMessage\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.swarmpipe.v1.StateManifestH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmpipe/protos/state.proto\x12\x0cswarmpipe.v1\x1a\x1dswarmpipe/protos/tensor.proto\"N\n\x0bStateTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.swarmpipe.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xc8\x01\n\rStateManifest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.swarmpipe.v1.StateTensor\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06sha256\x18\x07 \x01(\x0c\x12\x0f\n\x07node_id\x18\x08 \x01(\t\x12\x12\n\nrun_config\x18\t \x01(\t\"s\n\x0cStateMessage\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1b.swarmpipe.v1.StateManifestH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATETENSOR']._serialized_start=77
   _globals['_STATETENSOR']._serialized_end=155
   _globals['_STATEMANIFEST']._serialized_start=158
-  _globals['_STATEMANIFEST']._serialized_end=338
-  _globals['_STATEMESSAGE']._serialized_start=340
-  _globals['_STATEMESSAGE']._serialized_end=455
+  _globals['_STATEMANIFEST']._serialized_end=358
+  _globals['_STATEMESSAGE']._serialized_start=360
+  _globals['_STATEMESSAGE']._serialized_end=475
 # @@protoc_insertion_point(module_scope)

@@ -66,6 +66,7 @@ class StateManifest(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
+    RUN_CONFIG_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     stage: _builtins.int
     num_stages: _builtins.int
@@ -77,6 +78,11 @@ class StateManifest(_message.Message):
     """of this manifest (with sha256 empty), then the payload"""
     node_id: _builtins.str
     """the node that exported the state"""
+    run_config: _builtins.str
+    """The run's RunConfig as JSON (config.py), so a checkpoint folder says what model and
+    data its tensors belong to. Empty in states written before it was added. Covered by
+    sha256 like every other field; bounded by MAX_RUN_CONFIG_BYTES (storage/checkpoints.py).
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateTensor]: ...
     def __init__(
@@ -90,10 +96,11 @@ class StateManifest(_message.Message):
         payload_bytes: _builtins.int = ...,
         sha256: _builtins.bytes = ...,
         node_id: _builtins.str = ...,
+        run_config: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "num_stages", b"num_stages", "payload_bytes", b"payload_bytes", "run_id", b"run_id", "sha256", b"sha256", "stage", b"stage", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "num_stages", b"num_stages", "payload_bytes", b"payload_bytes", "run_config", b"run_config", "run_id", b"run_id", "sha256", b"sha256", "stage", b"stage", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

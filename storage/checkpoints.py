@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from google.protobuf.message import DecodeError
+
 from swarmpipe.errors import PeerError
 from swarmpipe.protos import state_pb2, tensor_pb2
 
@@ -36,6 +38,10 @@ CHUNK_BYTES = 1 << 20
 
 MAX_MANIFEST_BYTES = 16 << 20
 """A manifest lists names and shapes; anything larger is not one."""
+
+MAX_RUN_CONFIG_BYTES = 256 << 10
+"""A run config is a few KiB of JSON (more only with many data paths); a manifest claiming more
+carries something else, and every receiver refuses it before reading the payload."""
 
 MAX_STATE_BYTES = 64 << 30
 """The largest stage state the coordinator stores (a stage of ~5e9 fp32 parameters with AdamW);
@@ -75,6 +81,12 @@ def check_manifest(manifest: state_pb2.StateManifest, *, max_bytes: int) -> None
         )
     if len(manifest.sha256) != hashlib.sha256().digest_size:
         raise PeerError("the state manifest carries no sha256 digest")
+    config_bytes = len(manifest.run_config.encode())
+    if config_bytes > MAX_RUN_CONFIG_BYTES:
+        raise PeerError(
+            f"the state's run config takes {config_bytes} bytes; the limit is "
+            f"{MAX_RUN_CONFIG_BYTES}"
+        )
     names: set[str] = set()
     total = 0
     for t in manifest.tensors:
@@ -215,20 +227,8 @@ class CheckpointStore:
         return final
 
     def read(self, path: Path) -> tuple[state_pb2.StateManifest, Iterator[bytes]]:
-        """A checkpoint's manifest and an iterator over its payload chunks (the file stays open
-        until the iterator is exhausted or closed)."""
-        f = open(path, "rb")  # closed by the chunk iterator
-        try:
-            if f.read(len(_MAGIC)) != _MAGIC:
-                raise PeerError(f"{path} is not a swarmpipe checkpoint")
-            (length,) = _LENGTH.unpack(f.read(_LENGTH.size))
-            if length > MAX_MANIFEST_BYTES:
-                raise PeerError(f"{path} claims a {length}-byte manifest")
-            manifest = state_pb2.StateManifest.FromString(f.read(length))
-        except Exception:
-            f.close()
-            raise
-        return manifest, _file_chunks(f, int(manifest.payload_bytes))
+        """A checkpoint's manifest and an iterator over its payload chunks (see read_checkpoint)."""
+        return read_checkpoint(path)
 
 
 class CheckpointWriter:
@@ -275,6 +275,33 @@ class CheckpointWriter:
         if not self._file.closed:
             self._file.close()
         self._tmp.unlink(missing_ok=True)
+
+
+def read_checkpoint(path: Path) -> tuple[state_pb2.StateManifest, Iterator[bytes]]:
+    """A checkpoint file's manifest and an iterator over its payload chunks (the file stays
+    open until the iterator is exhausted or closed). The manifest is only decoded here: feed
+    both to a `StateStream` to check it and the payload's length and sha256."""
+    f = open(path, "rb")  # closed by the chunk iterator
+    try:
+        if f.read(len(_MAGIC)) != _MAGIC:
+            raise PeerError(f"{path} is not a swarmpipe checkpoint")
+        head = f.read(_LENGTH.size)
+        if len(head) != _LENGTH.size:
+            raise PeerError(f"{path} ends inside its header")
+        (length,) = _LENGTH.unpack(head)
+        if length > MAX_MANIFEST_BYTES:
+            raise PeerError(f"{path} claims a {length}-byte manifest")
+        data = f.read(length)
+        if len(data) != length:
+            raise PeerError(f"{path} ends inside its manifest")
+        try:
+            manifest = state_pb2.StateManifest.FromString(data)
+        except DecodeError as exc:
+            raise PeerError(f"{path} has a manifest that does not decode ({exc})") from exc
+    except Exception:
+        f.close()
+        raise
+    return manifest, _file_chunks(f, int(manifest.payload_bytes))
 
 
 def _file_chunks(f: BinaryIO, payload_bytes: int) -> Iterator[bytes]:

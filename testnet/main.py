@@ -36,6 +36,7 @@ from swarmpipe.errors import ConfigError, SwarmpipeError
 from swarmpipe.process.ready import wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
+from swarmpipe.testnet.metrics_scrape import MetricsScraper
 from swarmpipe.testnet.processes import Child, ProcessGroup
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.rpc import open_channel
@@ -85,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--churn-seed", type=int, default=0, help="seed of --churn-random")
     parser.add_argument(
         "--churn-downtime", type=float, default=5.0, help="seconds a random victim stays dead"
+    )
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="serve Prometheus metrics from every daemon (--metrics-port 0), scrape them while "
+        "the run goes on, and save each one's last scrape in OUT/metrics/ (report.json: metrics)",
     )
 
 
@@ -164,12 +171,16 @@ class Testnet:
         self.training_since: float | None = None
         self.training_began_wall: float | None = None
         self.step_seen_at: list[float] = []
+        self.scraper = MetricsScraper(out, time.monotonic()) if args.metrics else None
+        self.daemon_args = ["--metrics-port", "0"] if args.metrics else []
+        """Flags every daemon gets after its subcommand."""
+        self.log_args = ["--log-level", "INFO", "--log-format", args.log_format]
 
     def _node_args(self, name: str) -> list[str]:
         node_args = [
-            "--log-level",
-            "INFO",
+            *self.log_args,
             "node",
+            *self.daemon_args,
             "--coordinator",
             self.target,
             "--node-id",
@@ -184,9 +195,9 @@ class Testnet:
         return node_args
 
     def _start_children(self) -> str:
-        common = ["--log-level", "INFO"]
         # --stay: the testnet reads the final Status after the nodes leave, then stops it.
-        coord_args = [*common, "coordinator", "--listen", "127.0.0.1:0", "--stay"]
+        coord_args = [*self.log_args, "coordinator", *self.daemon_args, "--listen", "127.0.0.1:0"]
+        coord_args.append("--stay")
         coord_args += ["--state-dir", str(self.out / "coordinator-state")]
         if self.args.config:
             coord_args += ["--config", str(Path(self.args.config).resolve())]
@@ -215,6 +226,12 @@ class Testnet:
             while any(c.alive() for c in self.group.children[1:]) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             status = await stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
+            if self.scraper is not None:
+                status = await self.scraper.scrape_final(
+                    self.group,
+                    status,
+                    lambda: stub.Status(coordinator_pb2.StatusRequest(), timeout=10),
+                )
             self.final_status = status
         finally:
             await channel.close()
@@ -254,16 +271,17 @@ class Testnet:
             }
             for m in status.moves
         ]
+        if self.scraper is not None:
+            report["metrics"] = self.scraper.finish()
         return report
 
     async def _churn(self, status: coordinator_pb2.StatusReply, now: float) -> None:
-        """Perform the churn events due now and record them."""
-        if self.training_since is None:
-            if status.phase == "waiting" and not status.steps:
-                return
+        """Record nodes killed from outside, perform the churn events due now and record
+        them."""
+        if self.training_since is None and not (status.phase == "waiting" and not status.steps):
             self.training_since = now
             self.training_began_wall = time.time()
-        elapsed = now - self.training_since
+        elapsed = 0.0 if self.training_since is None else now - self.training_since
         steps = len(status.steps)
         stages = {n.node_id: n.stage for n in status.nodes}
         for dead in self.group.killed_from_outside():
@@ -279,6 +297,8 @@ class Testnet:
                     f"killed by {signal_name} from outside the testnet",
                 )
             )
+        if self.training_since is None:
+            return  # the schedules count from the start of training
         for event in self.churn.due(elapsed, steps):
             if event.action == "link":
                 await self._link(event, steps=steps, stages=stages)
@@ -395,6 +415,8 @@ class Testnet:
                     f"the coordinator stopped answering: {exc.code().name}"
                 ) from exc
             now = time.monotonic()
+            if self.scraper is not None:
+                await self.scraper.scrape(self.group, done=status.done, force=status.done)
             await self._churn(status, now)
             if self.training_since is not None:
                 while len(self.step_seen_at) < len(status.steps):

@@ -66,3 +66,19 @@ for words in {EVERY_HELP!r}:
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("words", "said"),
+    [
+        (["node", "--coordinator", "127.0.0.1:1", "--metrics-port", "70000"], "--metrics-port"),
+        (["coordinator", "--listen", "127.0.0.1:0", "--metrics-port", "nine"], "--metrics-port"),
+        (["coordinator", "--metrics-port", "0", "--metrics-host", "localhost"], "--metrics-host"),
+    ],
+    ids=["node-port-out-of-range", "coordinator-port-not-a-number", "host-not-an-address"],
+)
+def test_a_bad_metrics_flag_is_one_line_and_exit_2(words: list[str], said: str) -> None:
+    done = _swarmpipe(*words)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"swarmpipe {words[0]}: configuration error: {said} ")

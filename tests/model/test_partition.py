@@ -15,6 +15,7 @@ from swarmpipe.model import (
     build_stage,
     n_model_layers,
     stage_layer_ranges,
+    stage_module_counts,
     token_loss_sum,
 )
 
@@ -131,3 +132,24 @@ def test_loss_is_a_token_sum() -> None:
     assert abs(float(token_loss_sum(logits, labels)) - 6 * math.log(4.0)) < 1e-5
     # Half-precision logits are summed in fp32.
     assert token_loss_sum(logits.half(), labels).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["pipeline.stages=1"],
+        ["pipeline.stages=3"],
+        ["pipeline.stages=4", "model.n_layers=3"],
+        ["pipeline.stages=3", "model.bottleneck=4"],
+        ["pipeline.stages=2", "model.factory=user_factory_models:layers"],
+    ],
+)
+def test_stage_module_counts_cut_the_whole_model_as_the_stages_do(
+    monkeypatch: pytest.MonkeyPatch, settings: list[str]
+) -> None:
+    # The exported model's names depend on it: stage s's module i is module sum(counts[:s]) + i.
+    monkeypatch.syspath_prepend(HERE)
+    config = load_config(None, settings)
+    counts = stage_module_counts(config)
+    assert counts == [len(build_stage(config, s)) for s in range(config.pipeline.stages)]
+    assert sum(counts) == len(build_full_model(config))

@@ -132,6 +132,8 @@ async def test_a_failing_replica_is_rerouted_around_and_benched(
     router.set_plan(swarm.plan({"bad": 1000.0, "good": 1.0}))
     assert await _send(router) == "good"  # the weights all but force "bad" first
     assert swarm.peers["bad"].calls == 1 and router.health.benched("bad")
+    assert router.reroutes == 1  # what the node's metrics report
+    assert router.peers_benched() == {"bad": True, "good": False}
     # Benched: not picked while another replica is left, whatever its weight.
     # (Picks, not sends: the bench lasts about half a second, and five sends on
     # a loaded machine can outlast it.)
@@ -154,6 +156,7 @@ async def test_the_only_replica_is_still_tried_when_benched(swarm: Swarm, router
     with pytest.raises(HopError, match="UNAVAILABLE"):
         await _send(router, attempts=3)
     assert swarm.peers["only"].calls == 3
+    assert router.reroutes == 2  # the second and third tries
     await router.close()
 
 

@@ -14,7 +14,13 @@ from swarmpipe.errors import PeerError
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.stage_state import StateReceiver, StateSnapshot
 from swarmpipe.protos import state_pb2, tensor_pb2
-from swarmpipe.storage.checkpoints import CheckpointStore, StateStream, state_messages, tensor_bytes
+from swarmpipe.storage.checkpoints import (
+    MAX_RUN_CONFIG_BYTES,
+    CheckpointStore,
+    StateStream,
+    state_messages,
+    tensor_bytes,
+)
 
 TINY = ["model.n_layers=4", "model.d_model=32", "model.n_heads=2", "model.context=32"]
 
@@ -255,3 +261,58 @@ def test_checkpoint_store_refuses_a_corrupt_upload_and_keeps_the_old_one(tmp_pat
         writer.commit()
     assert [step for step, _ in store.checkpoints(1)] == [1]
     assert not list(store.stage_dir(1).glob(".incoming-*"))
+
+
+def test_a_checkpoint_carries_the_run_config_under_its_digest(tmp_path: Path) -> None:
+    config = _config("train.lr=0.001")
+    snapshot = StageRuntime(config, 1).export_state(node_id="a").seal()
+    assert RunConfig.from_json(snapshot.manifest.run_config) == config
+    # The digest covers the config: a checkpoint whose config was edited no longer verifies.
+    messages = _messages(snapshot)
+    messages[0].manifest.run_config = _config("train.lr=0.002").to_json()
+    receiver = _receiver(StageRuntime(config, 1))
+    with pytest.raises(PeerError, match="sha256"):
+        for message in messages:
+            receiver.add(message)
+        receiver.finish()
+
+
+def test_a_state_without_a_run_config_still_loads() -> None:
+    # States written before manifests carried the config hash the same bytes as before.
+    config = _config()
+    source = _trained(config, 1, 1)
+    snapshot = source.export_state(node_id="a")
+    snapshot.manifest.run_config = ""
+    receiver = _receiver(StageRuntime(config, 1))
+    for message in _messages(snapshot):
+        receiver.add(message)
+    target = StageRuntime(config, 1)
+    target.import_state(receiver.finish())
+    assert target.parameter_digest() == source.parameter_digest()
+
+
+def test_an_oversized_run_config_is_refused_before_any_payload() -> None:
+    messages = _messages(_trained(_config(), 1, 1).export_state(node_id="a"))
+    messages[0].manifest.run_config = "x" * (MAX_RUN_CONFIG_BYTES + 1)
+    receiver = _receiver(StageRuntime(_config(), 1))
+    with pytest.raises(PeerError, match="run config takes"):
+        receiver.add(messages[0])
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"SWP", "is not a swarmpipe checkpoint"),
+        (b"SWPSTATE\x05", "ends inside its header"),
+        (b"SWPSTATE" + (200).to_bytes(4, "little") + b"\x0a" * 40, "ends inside its manifest"),
+        (b"SWPSTATE" + (4).to_bytes(4, "little") + b"\xff" * 4, "does not decode"),
+    ],
+)
+def test_a_broken_checkpoint_file_is_a_peer_error(
+    tmp_path: Path, content: bytes, problem: str
+) -> None:
+    # One clear error whatever the damage (a node reading a shared folder logs it and moves on).
+    path = tmp_path / "step-000000001.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(PeerError, match=problem):
+        CheckpointStore(tmp_path, "r").read(path)

@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -92,8 +94,19 @@ def test_a_node_killed_from_outside_is_churn_and_the_run_goes_on(
 ) -> None:
     # 4 nodes on 2 stages: every stage has a second replica, so the swarm can go on.
     popen = _start(tmp_path, tiny, "--steps", "150", "--nodes", "4", "--stages", "2")
-    ready = tmp_path / "logs" / "n3.ready.json"
-    node = poll_until(lambda: (r := read_ready_file(ready)) and r.get("serving") and r, 120, "n3")
+    logs = tmp_path / "logs"
+    poll_until(lambda: read_ready_file(logs / "coordinator.ready.json"), 60, "the coordinator")
+    coordinator = read_ready_file(logs / "coordinator.ready.json")
+    assert coordinator is not None
+    with grpc.insecure_channel(f"127.0.0.1:{coordinator['grpc_port']}") as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        poll_until(
+            lambda: len(stub.Status(coordinator_pb2.StatusRequest(), timeout=5).steps) >= 3,
+            120,
+            "training to be under way",
+        )
+    node = read_ready_file(logs / "n3.ready.json")
+    assert node is not None
     os.kill(int(node["pid"]), signal.SIGKILL)
     output = _finish(popen)
     assert popen.returncode == 0, output
