@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from swarmpipe.coordinator.membership import Membership
+from swarmpipe.protos import control_pb2
 
 
 def make(stages: int = 2) -> Membership:
@@ -36,3 +37,40 @@ def test_only_serving_nodes_are_live_in_the_plan_and_cover_stages() -> None:
     b.ready_step = 4
     assert m.promote(3) == [] and m.promote(4) == [b]
     assert b.serving and b.ready_step == -1 and m.covered()
+
+
+def _serving(m: Membership, name: str, stage: int, rate: float = 0.0) -> None:
+    member = m.assign(name, f"{name}:1")
+    member.stage = stage
+    member.online = member.announced = member.serving = True
+    if rate:
+        member.telemetry = control_pb2.Telemetry(compute_samples_per_second=rate)
+
+
+def test_a_stage_without_replicas_gets_the_slowest_node_of_the_fullest_stage() -> None:
+    m = make(3)
+    _serving(m, "a", 0, rate=50.0)
+    _serving(m, "b", 0, rate=20.0)
+    _serving(m, "c", 1)
+    _serving(m, "d", 2)
+    assert m.heal() is None  # every stage is covered
+    m.members["d"].online = False
+    order = m.heal()
+    assert order is not None and (order.node_id, order.from_stage, order.to_stage) == ("b", 0, 2)
+    assert "stage 2 lost its last replica" in order.reason
+    b = m.members["b"]
+    assert b.stage == 2 and not b.serving
+    plan = m.plan()
+    assert [r.node_id for r in plan.stages[0].replicas] == ["a"]  # out of its old stage
+    assert [(mv.node_id, mv.stage, mv.order) for mv in plan.moves] == [("b", 2, 1)]
+    assert m.heal() is None  # b is on its way: no second move
+    b.serving = True  # it fetched the stage's state and is Ready
+    assert list(m.plan().moves) == [] and m.covered()
+
+
+def test_healing_never_empties_a_stage() -> None:
+    m = make(3)
+    _serving(m, "a", 0)
+    _serving(m, "b", 1)
+    assert m.heal() is None  # no stage has a second replica to give
+    assert [x.stage for x in m.live()] == [0, 1]
