@@ -65,6 +65,7 @@ def test_coordinator_metrics_show_the_status_counters_step_phase_and_loss() -> N
         "waiting": 0.0,
         "training": 1.0,
         "apply": 0.0,
+        "saving": 0.0,
         "done": 0.0,
     }
     assert dict((s["stage"], v) for s, v in got["swarmpipe_coordinator_nodes_online"]) == {

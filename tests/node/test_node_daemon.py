@@ -326,6 +326,8 @@ def test_presence_is_visible_to_a_third_party_mqtt_client(procs, tiny) -> None: 
         "coordinator",
         "--listen",
         "127.0.0.1:0",
+        "--state-dir",
+        str(procs.tmp / "coordinator-state"),
         *[arg for s in tiny for arg in ("--set", s)],
         "--set",
         "train.steps=1000",
