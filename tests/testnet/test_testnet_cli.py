@@ -67,6 +67,12 @@ def test_testnet_trains_reports_and_leaves_nothing(tmp_path: Path, tiny: list[st
     assert all(s["samples_per_second"] > 0 for s in report["steps"])
     assert {m["stage"] for m in report["members"]} == {0, 1, 2}
     assert report["links"] and all(link["bytes"] > 0 for link in report["links"])
+    # Each node seen online in its stage while it trained, and the picture drawn from it all.
+    online = {(t["node"], t["stage"]) for t in report["node_timeline"] if t["online"]}
+    assert online == {(m["node_id"], m["stage"]) for m in report["members"]}
+    png = tmp_path / "report.png"
+    assert f"picture: {png}" in output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 40_000
     pids = _child_pids(tmp_path)
     assert len(pids) == 4
     poll_until(lambda: not any(_alive(p) for p in pids), 10, "every child to exit")
