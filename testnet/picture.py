@@ -103,12 +103,12 @@ def draw(report: dict[str, Any], path: Path) -> None:
     for ax in (loss_time, rate, stages):
         _churn_lines(ax, churn, x="at_seconds")
     _churn_lines(loss_step, churn, x="step")
-    _churn_labels(stages, churn, {name: row for row, name in enumerate(nodes)})
+    start, end = _time_span(report)
+    _churn_labels(stages, churn, {name: row for row, name in enumerate(nodes)}, end - start)
     handles = [*stage_handles, *_churn_handles(churn)]
     if handles:
         # Under the timeline, whose colours and lines it names, not over its bars.
         fig.legend(handles=handles, loc="outside lower left", ncols=len(handles), fontsize=9)
-    start, end = _time_span(report)
     loss_time.set_xlim(start, end)
     fig.suptitle(_title(report), fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,24 +183,39 @@ def _churn_lines(ax: Axes, churn: list[dict[str, Any]], *, x: str) -> None:
         ax.axvline(record[x], color=colour, linestyle=line, linewidth=1.1, alpha=0.8, zorder=1)
 
 
-def _churn_labels(ax: Axes, churn: list[dict[str, Any]], rows: dict[str, int]) -> None:
+def _churn_labels(ax: Axes, churn: list[dict[str, Any]], rows: dict[str, int], span: float) -> None:
     """Each event's name beside its line, in the row of the node it hit (the top row for
     `all`): the loss and throughput panels above keep their lines clear."""
     if len(churn) > MAX_LABELLED_EVENTS:
         return
-    for record in churn:
-        colour, _ = CHURN_STYLE.get(record["action"], CHURN_STYLE["link"])
-        ax.annotate(
-            _churn_label(record),
-            xy=(record["at_seconds"], rows.get(record["node"], 0)),
-            xytext=(3, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=8,
-            color=colour,
-            bbox={"boxstyle": "square,pad=0.15", "facecolor": "white", "alpha": 0.85,
-                  "linewidth": 0},
-        )  # fmt: skip
+    # Events on one row closer than a label's width (about a tenth of the axis) would
+    # overlap, e.g. a kill and its restart a second apart: such runs of labels alternate
+    # above and below the row's middle.
+    runs: list[list[dict[str, Any]]] = []
+    last_run: dict[int, list[dict[str, Any]]] = {}
+    for record in sorted(churn, key=lambda r: r["at_seconds"]):
+        row = rows.get(record["node"], 0)
+        run = last_run.get(row)
+        if run is not None and record["at_seconds"] - run[-1]["at_seconds"] < 0.12 * span:
+            run.append(record)
+        else:
+            last_run[row] = [record]
+            runs.append(last_run[row])
+    for run in runs:
+        for i, record in enumerate(run):
+            height = 0.0 if len(run) == 1 else (-0.2 if i % 2 == 0 else 0.2)
+            colour, _ = CHURN_STYLE.get(record["action"], CHURN_STYLE["link"])
+            ax.annotate(
+                _churn_label(record),
+                xy=(record["at_seconds"], rows.get(record["node"], 0) + height),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+                color=colour,
+                bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "alpha": 0.85,
+                      "linewidth": 0},
+            )  # fmt: skip
 
 
 def _churn_handles(churn: list[dict[str, Any]]) -> list[Artist]:
@@ -256,7 +271,7 @@ def _loss(ax: Axes, report: dict[str, Any], *, x: str) -> None:
         ax.tick_params(labelbottom=False)
     ax.set_ylabel("loss (nats per token)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)  # a falling loss leaves this corner free
+    ax.legend(loc="best", fontsize=8)  # where the curves are not: fast enough for 10⁴ steps
 
 
 def _headroom(ax: Axes, fraction: float) -> None:
@@ -383,13 +398,21 @@ def _link_bytes(ax: Axes, report: dict[str, Any]) -> None:
         {c for each in bars.values() for c in each},
         key=lambda c: (known.index(c) if c in known else len(known), c),
     )
-    left = [0.0] * len(names)
+    rows = {name: i for i, name in enumerate(names)}
+    left = dict.fromkeys(names, 0.0)
     for i, codec in enumerate(codecs):
-        widths = [bars[n].get(codec, 0.0) for n in names]
+        # Only links that used the codec: an empty bar at a long bar's end would pin the
+        # axis there (a bar's base is "sticky") and leave no margin.
+        used = [n for n in names if bars[n].get(codec)]
+        widths = [bars[n][codec] for n in used]
         colour = CODEC_COLOURS.get(codec, f"{0.2 + 0.15 * (i % 5):.2f}")
-        ax.barh(names, widths, left=left, color=colour, label=codec)
-        left = [a + b for a, b in zip(left, widths, strict=True)]
+        ax.barh([rows[n] for n in used], widths, left=[left[n] for n in used], color=colour,
+                label=codec)  # fmt: skip
+        for n, width in zip(used, widths, strict=True):
+            left[n] += width
+    ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
+    ax.margins(x=0.04)
     ax.set_xlabel("MB sent (10⁶ bytes, as encoded)")
     ax.set_title("bytes per link and direction, by codec", fontsize=10)
     ax.tick_params(axis="y", labelsize=8)
