@@ -4,8 +4,11 @@
 not given; piped into a file or a test, it prints the plain lines of
 `main.progress_line` every 2 s instead, which scripts parse.
 
-    training ━━━━━━━━━━━━━━━━━━━╺━━━━━━━━━ 57/150 0:00:12 left  loss 4.1234 eval 4.2011 |
-    512.3 samples/s | 1.21 MB/s | nodes 4/4 | replayed 8 lost 0
+    training ━━━━━━━━━━━━━━━━━━━━━━━━╺━━━━━━━━━━━━━━━  57/150 elapsed 0:00:09 eta 0:00:12
+    loss 4.1234 eval 4.2011 | 512.3 samples/s | 1.21 MB/s | nodes 4/4 | replayed 8 lost 0
+
+The figures have a line of their own, so a narrow terminal cuts them short rather than
+the bar, the step count and the ETA.
 
 While the bar is live, lines printed to stdout (churn events) and the
 testnet's own log lines appear above it instead of tearing through it.
@@ -16,18 +19,20 @@ from __future__ import annotations
 import logging
 import sys
 from collections import deque
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TextIO
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Column
+from rich.text import Text
 
 from swarmpipe.protos import coordinator_pb2
 
@@ -55,22 +60,33 @@ def stats_text(status: coordinator_pb2.StatusReply, bytes_per_second: float) -> 
     )
 
 
+class _BarAndFigures(Progress):
+    """Rich's progress display with one more line under the bar: the run's figures."""
+
+    figures: Text = Text("")
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        yield self.figures
+
+
 class ProgressBar:
     """A rich progress bar fed with Status replies; use it as a context manager."""
 
     def __init__(self, console: Console | None = None) -> None:
-        self._progress = Progress(
+        self._progress = _BarAndFigures(
             TextColumn("{task.description:<8}"),
             BarColumn(),
             MofNCompleteColumn(),
-            # Rich's ETA: remaining steps over the step rate of the last 30 s; once done,
-            # the time the run took.
-            TimeRemainingColumn(elapsed_when_finished=True),
-            TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=True)),
+            TextColumn("elapsed"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            # Rich's estimate: the steps left over the step rate of the last 30 s.
+            TimeRemainingColumn(),
             console=console,
             refresh_per_second=4,  # as often as the testnet polls Status
         )
-        self._task = self._progress.add_task("starting", total=None, stats="")
+        self._task = self._progress.add_task("starting", total=None)
         self._bytes: deque[tuple[float, int]] = deque()
         self._handlers: list[tuple[logging.StreamHandler[TextIO], TextIO]] = []
 
@@ -109,5 +125,7 @@ class ProgressBar:
             description=status.phase,
             total=status.total_steps or None,
             completed=len(status.steps),
-            stats=stats_text(status, rate),
+        )
+        self._progress.figures = Text(
+            stats_text(status, rate), no_wrap=True, overflow="ellipsis", end=""
         )

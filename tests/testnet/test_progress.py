@@ -46,16 +46,27 @@ def status(done_steps: int, total: int) -> coordinator_pb2.StatusReply:
     return reply
 
 
-def test_the_bar_shows_steps_loss_rate_and_nodes_and_ends_on_its_own_line() -> None:
+def test_the_bar_shows_steps_eta_and_the_figures_and_ends_on_its_own_lines() -> None:
     out = io.StringIO()
-    console = Console(file=out, force_terminal=True, width=160, color_system=None)
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
     with ProgressBar(console) as bar:
         for done, now in [(0, 0.0), (3, 1.0), (10, 2.0)]:
             bar.update(status(done, 10), now)
     text = out.getvalue()
     frames = re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text))
-    last = [frame for frame in frames if frame.strip()][-1]  # the bar as it stays on screen
-    assert "done" in last and "10/10" in last and "loss 3.1000" in last, last
-    assert "320.0 samples/s" in last and "nodes 1/2" in last and "lost 0" in last
-    assert "5.00 MB/s" in last  # 10 MB over the last 2 s
+    line, figures = [frame for frame in frames if frame.strip()][-2:]  # as it stays on screen
+    assert line.startswith("done") and "10/10" in line and "elapsed" in line and "eta" in line
+    assert figures.startswith("loss 3.1000 | 320.0 samples/s | 5.00 MB/s | nodes 1/2")
+    assert figures.endswith("lost 0")  # 5.00 MB/s: 10 MB over the last 2 s
     assert text.endswith("\n\x1b[?25h")  # a new line after the bar, and the cursor back
+
+
+def test_a_narrow_terminal_cuts_the_figures_not_the_bar() -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=60, color_system=None)
+    with ProgressBar(console) as bar:
+        bar.update(status(3, 10), 0.0)
+    frames = re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()))
+    line, figures = [frame for frame in frames if frame.strip()][-2:]
+    assert "━" in line and "3/10" in line and "eta" in line
+    assert len(figures) == 60 and figures.endswith("…")
