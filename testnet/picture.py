@@ -11,7 +11,9 @@ and held-out loss, samples/s, and which stage each node served (solid while
 serving, hatched while it downloads its stage's state, blank while offline).
 The right column has the loss against steps and the bytes each link sent, by
 codec. Churn events (kills, starts, link limits) are vertical lines across
-every panel with a time or step axis, named in the top panel.
+every panel with a time or step axis, named in the timeline beside the node
+they hit. Times are the coordinator's (seconds since step 0 opened); the
+testnet's own records are moved onto that clock (see _on_step_clock).
 
 Needs matplotlib, the `report` extra (`pip install 'swarmpipe[report]'`); without
 it the testnet prints a one-line note and still writes report.json. Drawing
@@ -171,7 +173,8 @@ def _performed(record: dict[str, Any]) -> bool:
 def _churn_label(record: dict[str, Any]) -> str:
     if record["action"] == "link":
         mbit = record.get("mbit")
-        setting = "off" if mbit is None else f"{mbit:g} Mbit/s"
+        # None withdraws the organiser's limit; 0 sets "no limit" (see churn.py).
+        setting = "off" if mbit is None else "unlimited" if mbit == 0 else f"{mbit:g} Mbit/s"
         return f"link {record['node']} {setting}"
     return f"{record['action']} {record['node']}"
 
