@@ -160,7 +160,9 @@ def _title(report: dict[str, Any]) -> str:
         f"{pipeline.get('stages', '?')} stages, codecs {codecs} (act/grad)\n"
         f"{len(steps)} steps in {training:.1f} s of training "
         f"({report.get('wall_seconds', 0):.0f} s with start and stop){losses}, "
-        f"{report.get('samples_per_second', 0):.0f} samples/s, "
+        # report.json's figure: samples over the steps' own seconds, so without the gaps
+        # between steps that the throughput panel's delivered line includes.
+        f"{report.get('samples_per_second', 0):.0f} samples/s within steps, "
         f"replayed {counters.get('replayed', 0)}, lost {counters.get('lost', 0)} samples"
     )
 
