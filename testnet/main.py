@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -37,7 +38,10 @@ from swarmpipe.process.ready import wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
 from swarmpipe.testnet.metrics_scrape import MetricsScraper
+from swarmpipe.testnet.node_timeline import NodeTimeline
+from swarmpipe.testnet.picture import write_picture
 from swarmpipe.testnet.processes import Child, ProcessGroup
+from swarmpipe.testnet.progress import ProgressBar
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.rpc import open_channel
 
@@ -144,6 +148,7 @@ async def serve(args: argparse.Namespace) -> int:
     if not args.quiet and runner.final_status is not None:
         print("\n".join(summary_lines(runner.final_status)))
     print(f"report: {path}")
+    write_picture(report, out / "report.png")
     return 0
 
 
@@ -175,6 +180,9 @@ class Testnet:
         self.daemon_args = ["--metrics-port", "0"] if args.metrics else []
         """Flags every daemon gets after its subcommand."""
         self.log_args = ["--log-level", "INFO", "--log-format", args.log_format]
+        self.node_timeline = NodeTimeline()
+        self.bar: ProgressBar | None = None
+        """The live bar, on a terminal without --quiet; otherwise plain progress lines."""
 
     def _node_args(self, name: str) -> list[str]:
         node_args = [
@@ -220,7 +228,10 @@ class Testnet:
         channel = open_channel(target)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
-            status = await self._follow(stub)
+            if sys.stdout.isatty() and not self.args.quiet:
+                self.bar = ProgressBar()
+            with self.bar or contextlib.nullcontext():
+                status = await self._follow(stub)
             # Nodes leave by themselves once the run is done; give them a moment.
             deadline = time.monotonic() + 15
             while any(c.alive() for c in self.group.children[1:]) and time.monotonic() < deadline:
@@ -273,6 +284,10 @@ class Testnet:
         ]
         if self.scraper is not None:
             report["metrics"] = self.scraper.finish()
+        # Each node's stage, online and serving flags as they changed, on the churn clock.
+        report["node_timeline"] = self.node_timeline.records(
+            t0 if self.training_since is None else self.training_since
+        )
         return report
 
     async def _churn(self, status: coordinator_pb2.StatusReply, now: float) -> None:
@@ -398,7 +413,6 @@ class Testnet:
     async def _follow(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> Any:
         last_step_count, last_progress = -1, time.monotonic()
         last_bytes, last_time = 0, time.monotonic()
-        tty = sys.stdout.isatty() and not self.args.quiet
         next_line = 0.0
         while True:
             crashed = self.group.crashed()
@@ -418,6 +432,7 @@ class Testnet:
             if self.scraper is not None:
                 await self.scraper.scrape(self.group, done=status.done, force=status.done)
             await self._churn(status, now)
+            self.node_timeline.observe(now, len(status.steps), status.nodes)
             if self.training_since is not None:
                 while len(self.step_seen_at) < len(status.steps):
                     self.step_seen_at.append(now - self.training_since)
@@ -429,17 +444,14 @@ class Testnet:
                     f"{status.phase}, step {status.step}); logs are in {self.out / 'logs'}"
                 )
             total_bytes = sum(link.bytes for link in status.links)
-            if not self.args.quiet and (tty or now >= next_line or status.done):
+            if self.bar is not None:
+                self.bar.update(status, now)
+            elif not self.args.quiet and (now >= next_line or status.done):
                 rate = (total_bytes - last_bytes) / max(now - last_time, 1e-9)
                 last_bytes, last_time = total_bytes, now
-                line = progress_line(status, rate)
-                print(
-                    ("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n", flush=True
-                )
+                print(progress_line(status, rate), flush=True)
                 next_line = now + 2.0
             if status.done:
-                if tty:
-                    print()
                 return status
             await asyncio.sleep(POLL_S)
 

@@ -69,6 +69,12 @@ def test_testnet_trains_reports_and_leaves_nothing(tmp_path: Path, tiny: list[st
     assert all(s["samples_per_second"] > 0 for s in report["steps"])
     assert {m["stage"] for m in report["members"]} == {0, 1, 2}
     assert report["links"] and all(link["bytes"] > 0 for link in report["links"])
+    # Each node seen online in its stage while it trained, and the picture drawn from it all.
+    online = {(t["node"], t["stage"]) for t in report["node_timeline"] if t["online"]}
+    assert online == {(m["node_id"], m["stage"]) for m in report["members"]}
+    png = tmp_path / "report.png"
+    assert f"picture: {png}" in output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 40_000
     pids = _child_pids(tmp_path)
     assert len(pids) == 4
     poll_until(lambda: not any(_alive(p) for p in pids), 10, "every child to exit")
@@ -171,6 +177,11 @@ def test_a_scheduled_kill_is_not_a_crash_and_the_node_rejoins(
     assert start["at_seconds"] > kill["at_seconds"] and report["churn_not_reached"] == []
     seen = [s["seen_at_seconds"] for s in report["steps"]]
     assert seen == sorted(seen) and seen[kill["step"] - 1] <= kill["at_seconds"]
+    # The timeline saw n3 go offline after its kill and serve again after its start.
+    n3 = [t for t in report["node_timeline"] if t["node"] == "n3"]
+    went = next(t for t in n3 if not t["online"] and t["seconds"] >= kill["at_seconds"])
+    back = next(t for t in n3 if t["serving"] and t["seconds"] > went["seconds"])
+    assert back["seconds"] >= start["at_seconds"] and back["stage"] == kill["stage"]
     # The same id came back (state transfer from the survivor) and ended in step with it.
     (again,) = [m for m in report["members"] if m["node_id"] == "n3"]
     peers = [m for m in report["members"] if m["stage"] == again["stage"]]
