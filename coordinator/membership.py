@@ -140,16 +140,24 @@ class Membership:
 
         mover = min(by_stage[donor], key=lambda m: (rate(m), m.node_id))
         target = empty[0]
+        return self.move(
+            mover,
+            target,
+            f"stage {target} lost its last replica; stage {donor} had {len(by_stage[donor])}",
+        )
+
+    def move(self, member: Member, stage: int, reason: str) -> MoveOrder:
+        """Order `member` to serve `stage`: it leaves its stage's plan now and serves the new
+        one once it holds that stage's state (Ready)."""
         order = MoveOrder(
             order=len(self.moves) + 1,
-            node_id=mover.node_id,
-            from_stage=donor,
-            to_stage=target,
-            reason=f"stage {target} lost its last replica; stage {donor} had "
-            f"{len(by_stage[donor])}",
+            node_id=member.node_id,
+            from_stage=member.stage,
+            to_stage=stage,
+            reason=reason,
         )
-        mover.stage, mover.serving, mover.ready_step = target, False, -1
-        mover.move_order = order.order
+        member.stage, member.serving, member.ready_step = stage, False, -1
+        member.move_order = order.order
         self.moves.append(order)
         return order
 

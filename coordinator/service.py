@@ -27,7 +27,7 @@ import grpc
 
 from swarmpipe.config import RunConfig, codec_enum, codec_name
 from swarmpipe.control.bus import BrokerAddress, Topics, make_client
-from swarmpipe.coordinator.membership import Member, Membership
+from swarmpipe.coordinator.membership import Member, Membership, MoveOrder
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.errors import PeerError
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
@@ -129,8 +129,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def _heal(self) -> None:
         """A stage lost its last replica and nobody is on the way: move one there."""
         order = self.membership.heal()
-        if order is None:
-            return
+        if order is not None:
+            await self._moved(order)
+
+    async def _moved(self, order: MoveOrder) -> None:
+        """Log, record and publish a move the membership made."""
         p = self.protocol
         logger.warning(
             "moving node %s from stage %d to stage %d: %s",
@@ -357,6 +360,44 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.StatusReply:
         return self.status()
+
+    async def Move(
+        self, request: coordinator_pb2.MoveRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.MoveReply:
+        member = self.membership.members.get(request.node_id)
+        if member is None or member.drained:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no node {request.node_id!r} in run {self.config.run_id!r}",
+            )
+        assert member is not None  # abort() raised otherwise
+        stages = self.config.pipeline.stages
+        if request.stage >= stages:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"stage {request.stage} does not exist: run {self.config.run_id!r} has "
+                f"{stages} stages (0 to {stages - 1})",
+            )
+        if request.stage == member.stage:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {request.node_id!r} already serves stage {member.stage}",
+            )
+        if self.protocol.phase in (Phase.SAVING, Phase.DONE):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run is ending")
+        others = [m for m in self.membership.replicas(member.stage) if m is not member]
+        if member.serving and not others:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {request.node_id!r} is the last replica of stage {member.stage}: "
+                "moving it would leave that stage empty",
+            )
+        before = member.stage
+        order = self.membership.move(member, request.stage, "moved by the operator")
+        self.protocol.node_lost(member.node_id)  # its leases, if a head, go to the others
+        await self._moved(order)
+        await self._after_change()
+        return coordinator_pb2.MoveReply(from_stage=before)
 
     async def Drain(
         self, request: coordinator_pb2.DrainRequest, context: grpc.aio.ServicerContext

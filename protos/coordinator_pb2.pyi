@@ -750,6 +750,49 @@ class DrainRequest(_message.Message):
 Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
 
 @_typing.final
+class MoveRequest(_message.Message):
+    """An operator's override: serve `stage` from now on (the node fetches its state first)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    stage: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        stage: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveRequest: _TypeAlias = MoveRequest  # noqa: Y015
+
+@_typing.final
+class MoveReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_STAGE_FIELD_NUMBER: _builtins.int
+    from_stage: _builtins.int
+    def __init__(
+        self,
+        *,
+        from_stage: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_stage", b"from_stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveReply: _TypeAlias = MoveReply  # noqa: Y015
+
+@_typing.final
 class DrainReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

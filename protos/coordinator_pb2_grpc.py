@@ -70,6 +70,11 @@ class CoordinatorStub:
                 request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.DrainRequest.SerializeToString,
                 response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Move = channel.unary_unary(
+                '/swarmpipe.v1.Coordinator/Move',
+                request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.MoveRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.MoveReply.FromString,
+                _registered_method=True)
         self.SyncInfo = channel.unary_unary(
                 '/swarmpipe.v1.Coordinator/SyncInfo',
                 request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.SyncInfoRequest.SerializeToString,
@@ -132,6 +137,12 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Move(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,6 +212,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.DrainRequest.FromString,
                     response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.DrainReply.SerializeToString,
+            ),
+            'Move': grpc.unary_unary_rpc_method_handler(
+                    servicer.Move,
+                    request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.MoveRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.MoveReply.SerializeToString,
             ),
             'SyncInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.SyncInfo,
@@ -412,6 +428,33 @@ class Coordinator:
             '/swarmpipe.v1.Coordinator/Drain',
             swarmpipe_dot_protos_dot_coordinator__pb2.DrainRequest.SerializeToString,
             swarmpipe_dot_protos_dot_coordinator__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Move(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.v1.Coordinator/Move',
+            swarmpipe_dot_protos_dot_coordinator__pb2.MoveRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_coordinator__pb2.MoveReply.FromString,
             options,
             channel_credentials,
             insecure,

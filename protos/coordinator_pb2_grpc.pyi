@@ -39,6 +39,7 @@ class CoordinatorStub:
     StepDone: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StepDoneRequest, _coordinator_pb2.StepDoneReply]
     Status: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusReply]
     Drain: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainReply]
+    Move: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.MoveRequest, _coordinator_pb2.MoveReply]
     SyncInfo: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SyncInfoRequest, _coordinator_pb2.SyncInfoReply]
     """Joining a running stage: where to copy state from, then "I hold step N"."""
     Ready: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReadyRequest, _coordinator_pb2.ReadyReply]
@@ -58,6 +59,7 @@ class CoordinatorAsyncStub(CoordinatorStub):
     StepDone: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StepDoneRequest, _coordinator_pb2.StepDoneReply]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusReply]  # type: ignore[assignment]
     Drain: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainReply]  # type: ignore[assignment]
+    Move: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.MoveRequest, _coordinator_pb2.MoveReply]  # type: ignore[assignment]
     SyncInfo: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SyncInfoRequest, _coordinator_pb2.SyncInfoReply]  # type: ignore[assignment]
     """Joining a running stage: where to copy state from, then "I hold step N"."""
     Ready: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReadyRequest, _coordinator_pb2.ReadyReply]  # type: ignore[assignment]
@@ -116,6 +118,13 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.DrainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.DrainReply, _abc.Awaitable[_coordinator_pb2.DrainReply]]: ...
+
+    @_abc_1.abstractmethod
+    def Move(
+        self,
+        request: _coordinator_pb2.MoveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.MoveReply, _abc.Awaitable[_coordinator_pb2.MoveReply]]: ...
 
     @_abc_1.abstractmethod
     def SyncInfo(

@@ -1,0 +1,76 @@
+"""An operator moves a node to another stage: it fetches that stage's state and serves it,
+and moves that cannot be made are refused with a clear status."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from swarmpipe.process.ready import poll_until, read_ready_file
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_moved_node_serves_its_new_stage_and_bad_moves_are_refused(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    target = procs.coordinator(*tiny, "pipeline.stages=3", "train.steps=1000")
+    nodes = procs.nodes(4, target)
+    for name in nodes:
+        procs.wait_serving(name)
+    with grpc.insecure_channel(target) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+        def status() -> coordinator_pb2.StatusReply:
+            reply: coordinator_pb2.StatusReply = stub.Status(
+                coordinator_pb2.StatusRequest(), timeout=5
+            )
+            return reply
+
+        poll_until(lambda: len(status().steps) >= 2, 60, "training to be under way")
+        stages = {n.node_id: n.stage for n in status().nodes}
+        doubled = sorted(n for n, s in stages.items() if s == 0)
+        alone = next(n for n, s in stages.items() if s == 1)
+        assert len(doubled) == 2, stages
+
+        def refused(node: str, stage: int) -> grpc.RpcError:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Move(coordinator_pb2.MoveRequest(node_id=node, stage=stage), timeout=5)
+            return err.value
+
+        assert refused("nobody", 1).code() == grpc.StatusCode.NOT_FOUND
+        bad_stage = refused(doubled[1], 7)
+        assert bad_stage.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stage 7 does not exist" in (bad_stage.details() or "")
+        last = refused(alone, 2)
+        assert last.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "last replica of stage 1" in (last.details() or "")
+        assert refused(doubled[1], 0).code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        reply = stub.Move(coordinator_pb2.MoveRequest(node_id=doubled[1], stage=2), timeout=5)
+        assert reply.from_stage == 0
+        ready = procs.tmp / f"{doubled[1]}.ready.json"
+        moved = poll_until(
+            lambda: (r := read_ready_file(ready)) and r["stage"] == 2 and r["serving"] and r,
+            60,
+            "the moved node to serve stage 2",
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{moved['grpc_port']}") as node_channel:
+            info = stage_pb2_grpc.StageStub(node_channel).Info(
+                stage_pb2.StageInfoRequest(), timeout=5
+            )
+        assert (info.stage, info.serving) == (2, True)
+        final = poll_until(
+            lambda: (
+                (s := status()).moves
+                and any(n.node_id == doubled[1] and n.stage == 2 and n.serving for n in s.nodes)
+                and s
+            ),
+            60,
+            "the coordinator to see the move through",
+        )
+        (record,) = final.moves
+        assert (record.node_id, record.from_stage, record.to_stage) == (doubled[1], 0, 2)
+        assert record.reason == "moved by the operator"
+        step = len(final.steps)
+        poll_until(lambda: len(status().steps) >= step + 3, 60, "training to go on")
+        assert status().counters.lost == 0
