@@ -31,6 +31,7 @@ from swarmpipe.config import RunConfig
 from swarmpipe.errors import CheckpointError, ModelFileError
 from swarmpipe.model.partition import StageModule, build_full_model, stage_module_counts
 from swarmpipe.storage.checkpoint_set import CheckpointSet, RawTensor
+from swarmpipe.storage.checkpoints import fsync_path
 
 FORMAT = "swarmpipe-model/1"
 """The value of the metadata key `swarmpipe.format`: what wrote the file, and how to read it."""
@@ -181,10 +182,10 @@ def write_exported(
         mode = model_tmp.stat().st_mode
         save_file(tensors, str(model_tmp), metadata=metadata)
         model_tmp.chmod(mode)  # save_file recreates the file private (0600)
-        _fsync(model_tmp)
+        fsync_path(model_tmp)
         json_tmp = _temp_beside(description, temps)
         json_tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        _fsync(json_tmp)
+        fsync_path(json_tmp)
         # The description first: a model file is never left beside another run's description.
         os.replace(json_tmp, description)
         os.replace(model_tmp, out)
@@ -201,14 +202,6 @@ def _temp_beside(path: Path, temps: list[Path]) -> Path:
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     temps.append(tmp)
     return tmp
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_exported_info(path: str | Path) -> ExportedModelInfo:

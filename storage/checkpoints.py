@@ -221,7 +221,7 @@ class CheckpointStore:
     def _commit(self, stage: int, step: int, tmp: Path) -> Path:
         final = self.stage_dir(stage) / f"step-{step:09d}.ckpt"
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_path(final.parent)
         for _, old in self.checkpoints(stage)[: -self.keep]:
             old.unlink(missing_ok=True)
         return final
@@ -315,8 +315,9 @@ def _file_chunks(f: BinaryIO, payload_bytes: int) -> Iterator[bytes]:
             yield data
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entry to disk (a folder: the renames made in it)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
