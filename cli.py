@@ -1,4 +1,4 @@
-"""The `swarmpipe` command: coordinator, node, testnet, bench and link-limit subcommands.
+"""The `swarmpipe` command: coordinator, node, testnet, bench, link-limit, status and drain.
 
 Errors the user can act on (SwarmpipeError) print one line, never a traceback. A
 subcommand's module is imported only when the command line names it (see
@@ -35,6 +35,16 @@ COMMANDS: dict[str, Subcommand] = {
     "link-limit": Subcommand(
         module="swarmpipe.control.link_control",
         help="change nodes' send limits while a run goes on",
+    ),
+    "status": Subcommand(
+        module="swarmpipe.control.admin",
+        attribute="StatusCommand",
+        help="show a run's stages, replicas, bottleneck, links, step and loss (--watch, --json)",
+    ),
+    "drain": Subcommand(
+        module="swarmpipe.control.admin",
+        attribute="DrainCommand",
+        help="move a node's work away and make it leave the run",
     ),
 }
 """Each subcommand's module, imported only when the command line names it."""
