@@ -154,7 +154,8 @@ def show_status(
         else:
             text = _render(status, as_json=as_json, one_line=True)
             if redraw:
-                footer = f"\n\n{time.strftime('%H:%M:%S')}, every {watch:g} s; Ctrl-C stops"
+                then = "the run is done" if status.done else f"every {watch:g} s; Ctrl-C stops"
+                footer = f"\n\n{time.strftime('%H:%M:%S')}, {then}"
                 out.write(_CLEAR + text + footer + "\n")
             else:
                 out.write(("\n" if drawn and not as_json else "") + text + "\n")
