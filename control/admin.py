@@ -251,6 +251,10 @@ def serve_drain(args: argparse.Namespace) -> int:
             f"drained {where} from run {before.run_id!r}: the samples it held go back to the "
             "queue, and it leaves now"
         )
+        if record is not None and not any(
+            n.stage == record.stage and n.serving and n.node_id != args.node for n in before.nodes
+        ):
+            print(f"stage {record.stage} has no other replica: the run waits for a node to join it")
     return 0
 
 
