@@ -48,6 +48,16 @@ COMMANDS: dict[str, Subcommand] = {
     "generate": Subcommand(
         module="swarmpipe.export.generate", help="sample text from an exported model"
     ),
+    "status": Subcommand(
+        module="swarmpipe.control.admin",
+        attribute="StatusCommand",
+        help="show a run's stages, replicas, bottleneck, links, step and loss (--watch, --json)",
+    ),
+    "drain": Subcommand(
+        module="swarmpipe.control.admin",
+        attribute="DrainCommand",
+        help="move a node's work away and make it leave the run",
+    ),
 }
 """Each subcommand's module, imported only when the command line names it."""
 

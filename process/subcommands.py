@@ -2,9 +2,10 @@
 
 `swarmpipe --help` must answer at once, but a subcommand's module may need torch (1 s and
 more to import), grpc or an MQTT client to run. So each subcommand is a module with
-`add_arguments(parser)` and `serve(args)`, named here by its import path with one line of
-help, and its parser imports that module and adds its arguments only when parsing reaches
-it: `swarmpipe --help` imports no subcommand, `swarmpipe node --help` imports
+`add_arguments(parser)` and `serve(args)` (or an object in a module with both, where one
+module holds several subcommands), named here by its import path with one line of help, and
+its parser imports that module and adds its arguments only when parsing reaches it:
+`swarmpipe --help` imports no subcommand, `swarmpipe node --help` imports
 `swarmpipe.node.main` alone. The same holds one level down (`swarmpipe bench convergence`).
 
 What keeps this fast is the modules' side of the bargain: a module that defines
@@ -30,6 +31,10 @@ class Subcommand:
     help: str
     """One line for the parent's list of subcommands. Plain text: a `%` is a percent sign,
     not the start of one of argparse's `%(default)s` fields."""
+    attribute: str = ""
+    """Where `module` holds several subcommands: the name of the object in it that has
+    `add_arguments` and `serve` in the module's stead, and whose docstring is the
+    description."""
 
 
 class SubcommandParser(argparse.ArgumentParser):
@@ -39,20 +44,23 @@ class SubcommandParser(argparse.ArgumentParser):
         super().__init__(**kwargs)
         self._module = ""
         self._serve_dest = ""
+        self._attribute = ""
 
-    def defer(self, module: str, serve_dest: str) -> None:
-        """Take the arguments, description and `serve` of `module` when first used; `serve`
-        lands in the parsed namespace as `serve_dest`."""
-        self._module, self._serve_dest = module, serve_dest
+    def defer(self, module: str, serve_dest: str, attribute: str = "") -> None:
+        """Take the arguments, description and `serve` of `module` (or of its object named
+        `attribute`) when first used; `serve` lands in the parsed namespace as
+        `serve_dest`."""
+        self._module, self._serve_dest, self._attribute = module, serve_dest, attribute
 
     def _load(self) -> None:
         if not self._module:
             return
         module = importlib.import_module(self._module)
         self._module = ""  # loaded once, even if parsed again (tests reuse parsers)
-        self.description = module.__doc__
-        module.add_arguments(self)
-        self.set_defaults(**{self._serve_dest: module.serve})
+        command = getattr(module, self._attribute) if self._attribute else module
+        self.description = command.__doc__
+        command.add_arguments(self)
+        self.set_defaults(**{self._serve_dest: command.serve})
 
     # typeshed spells the same signature as three overloads; this is all of them in one.
     def parse_known_args(  # type: ignore[override]
@@ -86,4 +94,4 @@ def add_subcommands(
     for name, command in commands.items():
         # argparse fills a help string as a %-template; ours are plain text.
         child = sub.add_parser(name, help=command.help.replace("%", "%%"))
-        child.defer(command.module, serve_dest)
+        child.defer(command.module, serve_dest, command.attribute)

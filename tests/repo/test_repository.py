@@ -45,7 +45,9 @@ def test_lint_rejects_bare_imports_of_our_folders(tmp_path: Path) -> None:
 def test_control_plane_does_not_import_torch() -> None:
     code = (
         "import sys, swarmpipe.coordinator.service, swarmpipe.coordinator.main, "
-        "swarmpipe.coordinator.metrics, swarmpipe.process.metrics, swarmpipe.control.link_control; "
+        "swarmpipe.coordinator.metrics, swarmpipe.process.metrics, "
+        "swarmpipe.control.link_control, swarmpipe.control.admin, "
+        "swarmpipe.control.status_view; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
