@@ -58,6 +58,11 @@ COMMANDS: dict[str, Subcommand] = {
         attribute="DrainCommand",
         help="move a node's work away and make it leave the run",
     ),
+    "move": Subcommand(
+        module="swarmpipe.control.admin",
+        attribute="MoveCommand",
+        help="send a node to another stage (an operator's override)",
+    ),
 }
 """Each subcommand's module, imported only when the command line names it."""
 

@@ -102,6 +102,23 @@ class CoordinatorConnection:
             raise self._failed("Status", exc) from None
         return reply
 
+    def move(self, node_id: str, stage: int) -> int:
+        """Move `node_id` to `stage`; returns the stage it served. The coordinator's refusals
+        (unknown node, no such stage, the last replica of a stage) are one-line errors."""
+        import grpc
+
+        from swarmpipe.protos import coordinator_pb2
+
+        try:
+            reply = self._stub.Move(
+                coordinator_pb2.MoveRequest(node_id=node_id, stage=stage), timeout=CALL_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise self._failed("Move", exc) from None
+            raise SwarmpipeError(" ".join(str(exc.details() or exc.code().name).split())) from None
+        return int(reply.from_stage)
+
     def drain(self, node_id: str) -> bool:
         """Drain `node_id`; False when the coordinator does not know it."""
         import grpc
@@ -258,6 +275,27 @@ def serve_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_move_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("node", metavar="NODE", help="the node's id, as `swarmpipe status` shows")
+    parser.add_argument("stage", metavar="STAGE", type=int, help="the stage it should serve")
+    _add_coordinator(parser)
+
+
+def serve_move(args: argparse.Namespace) -> int:
+    if args.stage < 0:
+        raise ConfigError(f"STAGE {args.stage}: stages are numbered from 0")
+    connection = CoordinatorConnection(args.coordinator)
+    try:
+        before = connection.move(args.node, args.stage)
+    finally:
+        connection.close()
+    print(
+        f"moving {args.node} from stage {before} to stage {args.stage}: it fetches the stage's "
+        "state, then serves it (`swarmpipe status` shows when)"
+    )
+    return 0
+
+
 # -- the subcommands, as cli.py's COMMANDS names them -----------------------
 
 
@@ -276,3 +314,11 @@ class DrainCommand:
 
     add_arguments = staticmethod(add_drain_arguments)
     serve = staticmethod(serve_drain)
+
+
+class MoveCommand:
+    """`swarmpipe move NODE STAGE`: an operator's override. The node leaves its stage's plan,
+    fetches STAGE's state from a live replica (or its newest checkpoint) and serves it."""
+
+    add_arguments = staticmethod(add_move_arguments)
+    serve = staticmethod(serve_move)

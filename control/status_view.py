@@ -27,7 +27,9 @@ Top-level keys of the object (a value is null where the swarm has not measured i
   (tensor bytes sent, all codecs), `wire_bytes` (with framing, as the sender counts them),
   `measured_mbit` and `limit_mbit` (null: not measured yet, no limit);
 - `final_states`: each stage's stored final state (`stage`, `step`, `path`) once the run
-  saved.
+  saved;
+- `moves`: every stage change the coordinator ordered (`node`, `from_stage`, `to_stage`,
+  `step`, `reason`), oldest first.
 
 Status names no stage count, so `stages` runs from 0 to the highest stage a node has been
 given; a stage above every node's (early in a run) is not shown.
@@ -187,8 +189,16 @@ def status_view(status: coordinator_pb2.StatusReply) -> dict[str, Any]:
         "final_states": [
             {"stage": f.stage, "step": f.step, "path": f.path} for f in status.final_states
         ],
-        # Where the coordinator starts moving nodes between stages, Status will carry the
-        # moves, and a `moves` list (node, from, to, step, why) belongs here and in the table.
+        "moves": [
+            {
+                "node": m.node_id,
+                "from_stage": m.from_stage,
+                "to_stage": m.to_stage,
+                "step": m.step,
+                "reason": m.reason,
+            }
+            for m in status.moves
+        ],
     }
 
 
@@ -306,6 +316,14 @@ def status_table(view: dict[str, Any]) -> list[str]:
                 ]
             )
         lines += _align(rows, right={3, 4, 5})
+    if view["moves"]:
+        lines.append("")
+        lines.append("recent moves:")
+        lines += [
+            f"  step {m['step']}: {m['node']} from stage {m['from_stage']} to {m['to_stage']}"
+            f" ({m['reason']})"
+            for m in view["moves"][-5:]
+        ]
     if view["final_states"]:
         lines.append("")
         lines.append(f"final states (step {view['final_states'][0]['step']}):")

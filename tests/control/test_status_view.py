@@ -198,3 +198,18 @@ def test_a_malformed_coordinator_address_is_a_config_error(address: str) -> None
 @pytest.mark.parametrize("address", ["127.0.0.1:7600", "coord.example.org:1", "[::1]:7600"])
 def test_well_formed_addresses_pass(address: str) -> None:
     assert check_address(address) == address
+
+
+def test_moves_are_listed_in_the_view_and_the_table() -> None:
+    status = pb.StatusReply()
+    status.CopyFrom(SWARM)
+    status.moves.append(
+        pb.MoveRecord(node_id="c", from_stage=0, to_stage=1, reason="moved by the operator", step=6)
+    )
+    view = status_view(status)
+    assert view["moves"] == [
+        {"node": "c", "from_stage": 0, "to_stage": 1, "step": 6, "reason": "moved by the operator"}
+    ]
+    text = "\n".join(status_table(view))
+    assert "recent moves:\n  step 6: c from stage 0 to 1 (moved by the operator)" in text
+    assert status_view(SWARM)["moves"] == []

@@ -3,6 +3,9 @@ and moves that cannot be made are refused with a clear status."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import grpc
 import pytest
 
@@ -46,8 +49,25 @@ def test_a_moved_node_serves_its_new_stage_and_bad_moves_are_refused(procs, tiny
         assert "last replica of stage 1" in (last.details() or "")
         assert refused(doubled[1], 0).code() == grpc.StatusCode.FAILED_PRECONDITION
 
-        reply = stub.Move(coordinator_pb2.MoveRequest(node_id=doubled[1], stage=2), timeout=5)
-        assert reply.from_stage == 0
+        # The command says the same in one line, exit 1, no traceback.
+        for args, words in (
+            (["nobody", "1"], "no node 'nobody'"),
+            ([doubled[1], "7"], "stage 7 does not exist"),
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "swarmpipe", "move", *args, "--coordinator", target],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+            errors = done.stderr.strip().splitlines()
+            assert len(errors) == 1 and words in errors[0], done.stderr
+
+        moved_by = subprocess.run(
+            [sys.executable, "-m", "swarmpipe", "move", doubled[1], "2", "--coordinator", target],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert moved_by.returncode == 0, moved_by.stderr
+        assert f"moving {doubled[1]} from stage 0 to stage 2" in moved_by.stdout
         ready = procs.tmp / f"{doubled[1]}.ready.json"
         moved = poll_until(
             lambda: (r := read_ready_file(ready)) and r["stage"] == 2 and r["serving"] and r,
