@@ -36,6 +36,10 @@ COMMANDS: dict[str, Subcommand] = {
         module="swarmpipe.control.link_control",
         help="change nodes' send limits while a run goes on",
     ),
+    "simulate": Subcommand(
+        module="swarmpipe.coordinator.simulate",
+        help="run placement and rebalancing over a synthetic swarm and print JSON",
+    ),
 }
 """Each subcommand's module, imported only when the command line names it."""
 

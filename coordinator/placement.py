@@ -233,6 +233,56 @@ def rate_changed(old: float, new: float, policy: PlacementPolicy) -> bool:
     return abs(new - old) > policy.rate_change * max(old, 1e-12)
 
 
+def relaxed_upper_bound(
+    rows: Sequence[Sequence[float]],
+    weights: Sequence[float] | None = None,
+    *,
+    iterations: int = 60,
+) -> tuple[float, list[float]]:
+    """An upper bound on the throughput bound of any plan of these nodes (each row: a node's
+    effective rate per stage), and the stage weights that give it.
+
+    For weights y >= 0 summing to 1, a plan of bound T has T = sum_s y_s T <= sum_s y_s
+    (its rate on s) <= sum_n max_s y_s r(n, s): every y gives an upper bound, and the least
+    of them is the optimum of the linear relaxation (a node may split its time between
+    stages). We descend toward it from `weights` by exponentiated gradient steps on a
+    smoothed max (a node's load spread over the stages where its weighted rate is within a
+    few percent of its best: the plain subgradient puts a tied node wholly on one stage and
+    oscillates), and return the exact sum at the best weights met. The weights are prices
+    too: a node is worth most where y_s r(n, s) is highest."""
+    n_stages = len(rows[0]) if rows else 0
+    if not rows or n_stages == 0:
+        return 0.0, []
+    y = list(weights) if weights else [1.0 / n_stages] * n_stages
+    best_value, best_y = math.inf, y
+    for _ in range(iterations + 1):
+        loads = [0.0] * n_stages
+        value = 0.0
+        for row in rows:
+            worth = [w * r for w, r in zip(y, row, strict=True)]
+            top = max(worth)
+            value += top
+            if top <= 0:
+                continue
+            shares = [math.exp(_SMOOTHING * (w / top - 1.0)) for w in worth]
+            total = sum(shares)
+            for s in range(n_stages):
+                loads[s] += shares[s] / total * row[s]
+        if value < best_value:
+            best_value, best_y = value, y
+        # Weight flows from stages the nodes crowd onto to stages they leave starved.
+        mean = sum(loads) / n_stages or 1.0
+        y = [w * math.exp(-0.2 * (g / mean - 1.0)) for w, g in zip(y, loads, strict=True)]
+        total = sum(y)
+        y = [w / total for w in y]
+    return best_value, list(best_y)
+
+
+# How sharply relaxed_upper_bound's smoothed max picks a node's best stage: a stage 1 %
+# below the best gets e^-1 of its share.
+_SMOOTHING = 100.0
+
+
 class _Layout:
     """An assignment being planned, with each stage's members and total rate."""
 
@@ -296,6 +346,21 @@ def _best_stage(rates: tuple[float, ...], totals: Sequence[float], among: Iterab
         if best_key is None or key > best_key:
             best, best_key = s, key
     return best
+
+
+# A node may join, in `plan`, any stage where its price-weighted rate is within this of
+# its best: loose enough that the greedy can balance, tight enough to keep nodes where
+# they are worth most.
+_PRICE_SLACK = 0.03
+
+
+def _suits(row: tuple[float, ...], prices: Sequence[float] | None) -> list[int]:
+    """The stages a node of these rates may join in `plan` (all of them without prices)."""
+    if prices is None:
+        return list(range(len(row)))
+    worth = [p * r for p, r in zip(prices, row, strict=True)]
+    top = max(worth)
+    return [s for s, w in enumerate(worth) if w >= (1 - _PRICE_SLACK) * top]
 
 
 def _best_move(
@@ -485,6 +550,11 @@ def _search(
     restarts = min(31, _RESTART_BUDGET // len(fleet) ** 2) if small else 0
     shuffler = random.Random(0)  # seeded: the same fleet always gets the same plan
     keep = 2 if safe else 1
+    # In a large fleet, where a node goes matters less than which nodes go together: one
+    # whose links are slow belongs on the first or last stage (half the traffic), whatever
+    # the bottleneck is when its turn comes. So each node may only join stages where it is
+    # worth nearly the most at the relaxation's prices (see relaxed_upper_bound).
+    prices = None if small else relaxed_upper_bound([rates[n.node_id] for n in fleet])[1]
     best: _Layout | None = None
     for attempt in range(1 + restarts):
         if attempt % 2 == 1 and best is not None:
@@ -504,7 +574,7 @@ def _search(
             order = fastest_first if attempt == 0 else shuffler.sample(fleet, len(fleet))
             for node in order:
                 row = rates[node.node_id]
-                layout.add(node.node_id, _best_stage(row, layout.totals, range(n_stages)))
+                layout.add(node.node_id, _best_stage(row, layout.totals, _suits(row, prices)))
             if safe:
                 _fill_second_replicas(layout, _always, 1.0)
         _improve(
@@ -527,26 +597,47 @@ def _always(node_id: str) -> bool:
     return True
 
 
+def replica_counts(assignment: Mapping[str, int], num_stages: int) -> list[int]:
+    """How many nodes hold each stage."""
+    counts = [0] * num_stages
+    for stage in assignment.values():
+        counts[stage] += 1
+    return counts
+
+
 def place_joiner(
     joiner: NodeCaps,
-    assignment: Mapping[str, int],
-    nodes: Mapping[str, NodeCaps],
     stages: Sequence[StageSpec],
     policy: PlacementPolicy,
+    *,
+    rates: Sequence[float],
+    replicas: Sequence[int],
+    prices: Sequence[float] | None = None,
 ) -> int:
-    """The stage a joining node should serve, given who serves where (joiner excluded)."""
-    current = {k: v for k, v in assignment.items() if k != joiner.node_id}
-    rates = rate_table((nodes[k] for k in current), stages)
-    layout = _Layout(rates, current, len(stages))
+    """The stage a joining node should serve, given each stage's rate and replica count
+    without it (`stage_rates`, `replica_counts`): O(stages^2), whatever the fleet's size.
+
+    The stage where it raises the sorted stage rates most, with two preferences, each
+    taken only while it costs the bound at most a set fraction against that choice: a stage
+    with one replica (`safety_tolerance`), and, given the fleet's `prices` (the weights of
+    `relaxed_upper_bound`, refreshed now and then), a stage where the node is worth nearly
+    the most (`_PRICE_SLACK`). In a large fleet the bottleneck moves with every join and
+    leave, and a node put wherever it is at its turn drifts the fleet from its best shape:
+    one with slow links on a middle stage carries half what it would on the first or last."""
     mine = tuple(effective_rate(joiner, stages, s) for s in range(len(stages)))
-    best = _best_stage(mine, layout.totals, range(len(stages)))
-    counts = layout.counts()
-    at_risk = [s for s, c in enumerate(counts) if c == 1]
-    if policy.safety_tolerance > 0 and at_risk and min(counts) >= 1:
-        safer = _best_stage(mine, layout.totals, at_risk)
-        if layout.bound_with({safer: mine[safer]}) >= (1 - policy.safety_tolerance) * (
-            layout.bound_with({best: mine[best]})
-        ):
+
+    def bound_if(stage: int) -> float:
+        return min(r + (mine[s] if s == stage else 0.0) for s, r in enumerate(rates))
+
+    best = _best_stage(mine, rates, range(len(stages)))
+    if prices is not None:
+        suited = _best_stage(mine, rates, _suits(mine, prices))
+        if bound_if(suited) >= (1 - _PRICE_SLACK) * bound_if(best):
+            best = suited
+    at_risk = [s for s, c in enumerate(replicas) if c == 1]
+    if policy.safety_tolerance > 0 and at_risk and min(replicas) >= 1:
+        safer = _best_stage(mine, rates, at_risk)
+        if bound_if(safer) >= (1 - policy.safety_tolerance) * bound_if(best):
             return safer
     return best
 

@@ -17,6 +17,8 @@ from swarmpipe.coordinator.placement import (
     place_joiner,
     plan,
     rebalance,
+    relaxed_upper_bound,
+    replica_counts,
     stage_rates,
     stages_from_cuts,
     throughput_bound,
@@ -87,6 +89,15 @@ def test_plan_is_within_5_percent_of_the_exhaustive_optimum() -> None:
         assert got >= 0.95 * best, (seed, n, s, got, best)
         worst = min(worst, got / best)
     print(f"worst plan / optimum over {len(SEEDS) * len(SHAPES)} fleets: {worst:.6f}")
+
+
+def test_the_relaxed_bound_is_never_below_the_optimum() -> None:
+    for seed, (n, s) in itertools.product(range(3), SHAPES):
+        nodes, stages = _fleet(seed, n, s)
+        rows = [[effective_rate(node, stages, t) for t in range(s)] for node in nodes.values()]
+        upper, weights = relaxed_upper_bound(rows)
+        assert upper >= _exhaustive(nodes, stages)[0] * (1 - 1e-9)
+        assert abs(sum(weights) - 1) < 1e-9
 
 
 def test_safety_gives_second_replicas_within_its_tolerance() -> None:
@@ -257,12 +268,18 @@ def test_a_joiner_goes_where_it_raises_the_bound_not_to_the_fewest_replicas() ->
     joiner = NodeCaps(node_id="new", speed=3.0, bandwidth_in=1e9, bandwidth_out=1e9)
     # Stage 0 has five replicas but only 7/s; stage 1 has one, at 20/s.
     assignment = {"a": 0, "b": 0, "c": 0, "d": 0, "e": 0, "f": 1}
-    assert place_joiner(joiner, assignment, nodes, stages, PlacementPolicy()) == 0
+
+    def place(policy: PlacementPolicy) -> int:
+        rates = stage_rates(assignment, nodes, stages)
+        replicas = replica_counts(assignment, len(stages))
+        return place_joiner(joiner, stages, policy, rates=rates, replicas=replicas)
+
+    assert place(PlacementPolicy()) == 0
     # With stage 1 at 7.5/s, stage 0 is still the bottleneck, but stage 1 is at risk and
     # filling it costs 7 against 7.5 (under the 10 % tolerance): safety wins.
     nodes["f"] = NodeCaps(node_id="f", speed=7.5, bandwidth_in=1e9, bandwidth_out=1e9)
-    assert place_joiner(joiner, assignment, nodes, stages, PlacementPolicy()) == 1
-    assert place_joiner(joiner, assignment, nodes, stages, NO_SAFETY) == 0
+    assert place(PlacementPolicy()) == 1
+    assert place(NO_SAFETY) == 0
 
 
 def test_a_replicas_rate_is_capped_by_its_links() -> None:
