@@ -12,18 +12,24 @@ taken as full duplex; the state download of a move is its own term (below).
 
 **Placement.** A joiner goes where it raises the sorted vector of stage rates most
 (leximin): onto the bottleneck when it helps there, which raises the bound; ties and
-helpless cases fall to the next-slowest stage. Placing a whole fleet (`plan`) is a max-min
-assignment of unrelated machines (links make a node's rates differ from stage to stage),
-NP-hard in general. We place nodes fastest first onto the bottleneck, then improve locally:
-move a node from a stage with slack to the bottleneck while both stages end above the old
-bottleneck. Each step raises the sorted vector of stage rates, so the search ends. In a
-large fleet a node is a small part of a stage and moves alone balance the stages to about
-one node's rate (O(n) per move, no O(n^2) step). Small fleets (up to `max_swap_fleet`) are
+helpless cases fall to the next-slowest stage (and see prices and safety below). Placing a
+whole fleet (`plan`) is a max-min assignment of unrelated machines (links make a node's
+rates differ from stage to stage), NP-hard in general. We place nodes fastest first onto
+the bottleneck, then improve locally: move a node from a stage with slack to the bottleneck
+while both stages end above the old bottleneck. Each step raises the sorted vector of stage
+rates, so the search ends. In a large fleet a node is a small part of a stage and moves
+balance the stages to about one node's rate (O(n) per move, no O(n^2) step); what moves to
+the bottleneck cannot fix is *which* nodes share a stage (a node with slow links carries
+twice as much on the first or last stage, which move half the bytes of a middle one). So
+there a node, in `plan` and when it joins, goes only among the stages where it is worth
+nearly the most at the prices of the linear relaxation (`relaxed_upper_bound`), while that
+costs the bound at most 3 %: at 10,000 nodes the plan is then within 0.2 % of the
+relaxation's bound, against 6 % without prices. Small fleets (up to `max_swap_fleet`) are
 where one node is a large part of a stage and the search is cheap: there steps may also
 exchange nodes (one for one; two for one or two up to 16 nodes), may lift any stage (a
 chain of them reaches what no single step on the bottleneck does), and the search restarts
 from seeded shuffles and kicks of the best plan, keeping the best. Against an exhaustive
-search on fleets of up to 8 nodes and 4 stages it ends within 2 % (tests).
+search on fleets of up to 8 nodes and 4 stages the worst plan found was 1.6 % short.
 
 **Safety against throughput.** A stage served by one node loses the steps since its last
 checkpoint when that node dies, and is then behind its neighbours. So a stage with one
