@@ -63,6 +63,10 @@ COMMANDS: dict[str, Subcommand] = {
         attribute="MoveCommand",
         help="send a node to another stage (an operator's override)",
     ),
+    "simulate": Subcommand(
+        module="swarmpipe.coordinator.simulate",
+        help="run placement and rebalancing over a synthetic swarm and print JSON",
+    ),
 }
 """Each subcommand's module, imported only when the command line names it."""
 
