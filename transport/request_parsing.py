@@ -178,6 +178,25 @@ def _wrap(
     raise TypeError(f"{behaviour!r} is not async: swarmpipe servers are grpc.aio servers")
 
 
+def _unimplemented(path: str) -> Behaviour:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{path} is not implemented here")
+
+    return refuse
+
+
+def _is_generated_placeholder(behaviour: Behaviour, method: MethodDescriptor) -> bool:
+    """Whether `behaviour` is the generated base class's stand-in for a method the servicer
+    does not implement (grpc's aio health servicer has no `List`). It is sync, and it answers
+    UNIMPLEMENTED by raising, which grpc logs with a traceback on every call."""
+    function = getattr(behaviour, "__func__", behaviour)
+    service = method.containing_service.name
+    return bool(
+        function.__module__.endswith("_pb2_grpc")
+        and function.__qualname__ == f"{service}Servicer.{method.name}"
+    )
+
+
 _MAKE_HANDLER = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
@@ -194,8 +213,11 @@ def _handler(servicer: object, method: MethodDescriptor, log: BadRequestLog) -> 
     )
     take = parser.stream if method.client_streaming else parser.parse
     make = _MAKE_HANDLER[(method.client_streaming, method.server_streaming)]
+    behaviour = getattr(servicer, method.name)
+    if _is_generated_placeholder(behaviour, method):
+        behaviour = _unimplemented(parser.path)
     return make(
-        _wrap(getattr(servicer, method.name), take),
+        _wrap(behaviour, take),
         request_deserializer=None,  # the raw bytes: parsing is the wrapper's
         response_serializer=GetMessageClass(method.output_type).SerializeToString,
     )

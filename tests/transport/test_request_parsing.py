@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from swarmpipe.protos import stage_pb2, state_pb2, tensor_pb2
+from swarmpipe.protos import stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
 from swarmpipe.transport.request_parsing import BadRequestLog, add_servicer, peer_host
 from swarmpipe.transport.rpc import bind, create_server, open_channel
 
@@ -177,6 +177,30 @@ async def test_a_bad_message_mid_stream_ends_the_call(
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith(f"request to /swarmpipe.v1.Stage/{method} is not a valid ")
     assert len(servicer.seen) == 2  # the two before it, never the one after
+
+
+async def test_a_method_the_servicer_lacks_is_unimplemented_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class InfoOnly(stage_pb2_grpc.StageServicer):
+        async def Info(
+            self, request: stage_pb2.StageInfoRequest, context: grpc.aio.ServicerContext
+        ) -> stage_pb2.StageInfoReply:
+            return stage_pb2.StageInfoReply()
+
+    server = create_server()
+    add_servicer(server, InfoOnly(), STAGE, BadRequestLog())
+    port = bind(server, "127.0.0.1:0")
+    await server.start()
+    try:
+        async with open_channel(f"127.0.0.1:{port}") as channel:
+            call = _raw(channel, "Reduce", "stream_unary")(iter([b""]))
+            code, details = await _status(call)
+    finally:
+        await server.stop(grace=None)
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    assert details == "/swarmpipe.v1.Stage/Reduce is not implemented here"
+    assert "Traceback" not in caplog.text
 
 
 def test_the_log_is_one_line_per_peer_and_method_per_interval(
