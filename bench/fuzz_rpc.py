@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,16 @@ def peak_memory_kib(pid: int) -> dict[str, int]:
     return fields
 
 
+def _shape(line: str) -> str:
+    """A log line without its time, quoted values and numbers, so lines alike count as one."""
+    text = line.split(" ", 2)[-1]  # after the date and the time
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
+    return re.sub(r"\d+", "N", text)[:160]
+
+
 def log_added(text: str, methods: list[str]) -> dict[str, Any]:
-    """What a stretch of a daemon's log holds: lines, tracebacks, lines naming each method."""
+    """What a stretch of a daemon's log holds: lines, tracebacks, lines naming each method,
+    and the most common lines by shape."""
     lines = text.splitlines()
     return {
         "lines": len(lines),
@@ -62,6 +71,7 @@ def log_added(text: str, methods: list[str]) -> dict[str, Any]:
         "lines_per_method": {
             m: n for m in methods if (n := sum(bool(re.search(rf"{m}\b", x)) for x in lines))
         },
+        "common_lines": dict(Counter(_shape(x) for x in lines).most_common(8)),
     }
 
 
