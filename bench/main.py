@@ -22,13 +22,15 @@ BENCHMARKS: dict[str, str] = {
     "join": "seconds from a node's start to taking traffic when it joins a running run",
     "codecs": "each codec's wire bytes, MB/s and error on activation/gradient tensors, "
     "beside hivemind's codecs when importable",
+    "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
+    "hangs, crashes, peak memory, log lines",
 }
-"""Benchmark name (a module of swarmpipe.bench) -> one line of what it measures."""
+"""Benchmark name (a module of swarmpipe.bench, `-` spelled `_`) -> one line of what it measures."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     benchmarks = {
-        name: Subcommand(module=f"swarmpipe.bench.{name}", help=help_text)
+        name: Subcommand(module=f"swarmpipe.bench.{name.replace('-', '_')}", help=help_text)
         for name, help_text in BENCHMARKS.items()
     }
     add_subcommands(

@@ -79,7 +79,8 @@ async def serve(args: argparse.Namespace) -> int:
     from swarmpipe.coordinator.summary import summary_lines
     from swarmpipe.process.metrics import MetricsServer, serve_metrics
     from swarmpipe.process.ready import write_ready_file
-    from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+    from swarmpipe.protos import coordinator_pb2
+    from swarmpipe.transport.request_parsing import add_servicer
     from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
     state_dir = Path(args.state_dir)
@@ -106,7 +107,7 @@ async def serve(args: argparse.Namespace) -> int:
         broker = await embedded.start()
     service = CoordinatorService(config, broker, state_dir, resume_at=resume_at)
     server = create_server()
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    add_servicer(server, service, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
     await enable_health_and_reflection(
         server, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
     )

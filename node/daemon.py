@@ -53,8 +53,9 @@ from swarmpipe.node.transport import EncodeOptions, LinkStats
 from swarmpipe.process.logs import set_log_identity
 from swarmpipe.process.metrics import MetricsServer, serve_metrics
 from swarmpipe.process.ready import write_ready_file
-from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2, stage_pb2_grpc
+from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2
 from swarmpipe.transport.limits import MBIT
+from swarmpipe.transport.request_parsing import add_servicer
 from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection, open_channel
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class NodeDaemon:
         """Run until done, drained or stopped; returns why it stopped."""
         metrics = self._serve_metrics()
         server = create_server()
-        stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
+        add_servicer(server, self.servicer, stage_pb2.DESCRIPTOR.services_by_name["Stage"])
         await enable_health_and_reflection(
             server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name]
         )

@@ -2,13 +2,18 @@
 
 Every swarmpipe server exposes the standard health service and server
 reflection, so `grpcurl` and load balancers can talk to it without our protos.
+Every service, ours and these two, is registered through
+`request_parsing.add_servicer`, so a request that does not parse is
+INVALID_ARGUMENT and one rate-limited log line, never a traceback.
 """
 
 from __future__ import annotations
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from swarmpipe.transport.request_parsing import add_servicer
 
 # Tensors travel as 1 MiB chunks, so no message comes near these limits; they
 # are raised a little above gRPC's 4 MiB default only to leave room for headers.
@@ -41,11 +46,17 @@ async def enable_health_and_reflection(
 ) -> health.aio.HealthServicer:
     """Register the health service (all SERVING) and reflection for these services."""
     servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    # Registered like our own services, so bytes that do not parse cost one line here too
+    # rather than a traceback each (grpc's default; they are on every server, unauthenticated).
+    add_servicer(server, servicer, health_pb2.DESCRIPTOR.services_by_name["Health"])
     for name in ["", *service_names]:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    add_servicer(
+        server,
+        reflection.aio.ReflectionServicer(names),
+        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+    )
     return servicer
 
 

@@ -1,0 +1,191 @@
+"""`swarmpipe bench fuzz-rpc`: a raw-bytes fuzz of every RPC of a coordinator and a node.
+
+Starts a coordinator and one node on 127.0.0.1 (two stages, so with one node no step opens
+and the node only answers), lists each server's services through server reflection, and
+sends every method `--inputs` seeded inputs: random bytes and a valid request mutated
+(truncated, bits flipped, a huge length prefix, an over-long varint), plus the valid request
+itself as a control, on a raw channel with a deadline per call. It prints JSON: per method
+the calls, the status codes seen (all, and for the inputs that do not parse), hangs and
+whether health answered SERVING after; per process whether it is alive, its peak memory
+(VmHWM) before and after, and what the fuzz added to its log (lines, tracebacks, lines per
+method). A message that does not parse should be INVALID_ARGUMENT and cost at most a line
+per method per 10 s. `--target 127.0.0.1:PORT` fuzzes a server already running instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from swarmpipe.config import add_config_arguments
+
+START_TIMEOUT_S = 120.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--inputs", type=int, default=500, help="inputs per method")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    parser.add_argument(
+        "--deadline-s", type=float, default=2.0, help="deadline of each call (long polls)"
+    )
+    parser.add_argument("--in-flight", type=int, default=8, help="calls in flight at once")
+    parser.add_argument(
+        "--max-seconds", type=float, default=600.0, help="stop sending inputs after this long"
+    )
+    parser.add_argument(
+        "--target", help="fuzz this running server (127.0.0.1:PORT) instead of starting two"
+    )
+    add_config_arguments(parser, with_file=False)
+    parser.add_argument("--out", help="write the JSON here too")
+
+
+def peak_memory_kib(pid: int) -> dict[str, int]:
+    """The process's peak and current resident memory (VmHWM, VmRSS) in KiB, from /proc."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+def _shape(line: str) -> str:
+    """A log line without its time, quoted values and numbers, so lines alike count as one."""
+    text = line.split(" ", 2)[-1]  # after the date and the time
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
+    return re.sub(r"\d+", "N", text)[:160]
+
+
+def log_added(text: str, methods: list[str]) -> dict[str, Any]:
+    """What a stretch of a daemon's log holds: lines, tracebacks, lines naming each method,
+    and the most common lines by shape."""
+    lines = text.splitlines()
+    return {
+        "lines": len(lines),
+        "tracebacks": sum("Traceback" in line for line in lines),
+        "lines_per_method": {
+            m: n for m in methods if (n := sum(bool(re.search(rf"{m}\b", x)) for x in lines))
+        },
+        "common_lines": dict(Counter(_shape(x) for x in lines).most_common(8)),
+    }
+
+
+async def fuzz_process(
+    target: str, *, pid: int | None = None, log_path: Path | None = None, **budget: Any
+) -> dict[str, Any]:
+    """Fuzz one server (`budget`: `rpc_fuzzer.fuzz_server`'s keywords); with its pid and log,
+    also its memory and what its log gained."""
+    from swarmpipe.bench.rpc_fuzzer import fuzz_server
+
+    before = peak_memory_kib(pid) if pid else {}
+    log_start = log_path.stat().st_size if log_path else 0
+    results = await fuzz_server(target, **budget)
+    report: dict[str, Any] = {
+        "target": target,
+        "methods": {path: r.as_json() for path, r in results.items()},
+        "calls": sum(r.calls for r in results.values()),
+        "hangs": sum(r.hangs for r in results.values()),
+        "unknown_or_internal_for_unparsable": sum(
+            r.as_json()["unknown_or_internal_for_unparsable"] for r in results.values()
+        ),
+        "healthy_after_every_method": all(r.healthy_after for r in results.values()),
+    }
+    if pid:
+        alive = Path(f"/proc/{pid}/status").exists()
+        report["alive"] = alive
+        report["memory_kib_before"] = before
+        report["memory_kib_after"] = peak_memory_kib(pid) if alive else {}
+    if log_path:
+        with open(log_path, errors="replace") as log:
+            log.seek(log_start)
+            report["log"] = log_added(log.read(), list(results))
+    return report
+
+
+def _budget(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "inputs": args.inputs,
+        "seed": args.seed,
+        "deadline_s": args.deadline_s,
+        "in_flight": args.in_flight,
+        "max_seconds": args.max_seconds,
+    }
+
+
+async def _fuzz_started(args: argparse.Namespace) -> dict[str, Any]:
+    from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
+    from swarmpipe.testnet.processes import ProcessGroup
+
+    with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-fuzz-") as tmp:
+        group = ProcessGroup(Path(tmp))
+        try:
+            coord_args = ["coordinator", "--listen", "127.0.0.1:0"]
+            coord_args += ["--state-dir", str(Path(tmp) / "state"), "--stay"]
+            for item in ["pipeline.stages=2", *args.set]:
+                coord_args += ["--set", item]
+            coordinator = group.start("coordinator", coord_args)
+            ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
+            coord_target = f"127.0.0.1:{ready['grpc_port']}"
+            node = group.start(
+                "n0",
+                ["node", "--coordinator", coord_target, "--node-id", "n0",
+                 "--listen", "127.0.0.1:0", "--threads", "1"],
+            )  # fmt: skip
+
+            def serving() -> dict[str, Any] | None:
+                if not node.alive():
+                    raise SystemExit(f"n0 exited:\n{node.log_tail()}")
+                info = read_ready_file(node.ready_file)
+                return info if info and info.get("serving") else None
+
+            info = poll_until(serving, START_TIMEOUT_S, "n0 to serve")
+            return {
+                "coordinator": await fuzz_process(
+                    coord_target,
+                    pid=coordinator.popen.pid,
+                    log_path=coordinator.log_path,
+                    **_budget(args),
+                ),
+                "node": await fuzz_process(
+                    f"127.0.0.1:{info['grpc_port']}",
+                    pid=int(info["pid"]),
+                    log_path=node.log_path,
+                    **_budget(args),
+                ),
+            }
+        finally:
+            group.stop_all()
+
+
+def serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from swarmpipe.bench.rpc_fuzzer import check_target
+
+    if args.target:
+        check_target(args.target)
+        servers = {"target": asyncio.run(fuzz_process(args.target, **_budget(args)))}
+    else:
+        servers = asyncio.run(_fuzz_started(args))
+    result = {
+        "inputs_per_method": args.inputs,
+        "seed": args.seed,
+        "deadline_s": args.deadline_s,
+        "servers": servers,
+        "calls": sum(s["calls"] for s in servers.values()),
+        "crashes": sum(not s.get("alive", True) for s in servers.values()),
+        "hangs": sum(s["hangs"] for s in servers.values()),
+        "unknown_or_internal_for_unparsable": sum(
+            s["unknown_or_internal_for_unparsable"] for s in servers.values()
+        ),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
