@@ -133,8 +133,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await self._moved(order)
 
     async def _moved(self, order: MoveOrder) -> None:
-        """Log, record and publish a move the membership made."""
+        """Log, record and publish a move the membership made. The mover owes nothing to
+        its old stage: its leases go back to the queue and no step waits for its ack."""
         p = self.protocol
+        p.node_lost(order.node_id)
         logger.warning(
             "moving node %s from stage %d to stage %d: %s",
             order.node_id,
@@ -394,7 +396,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         before = member.stage
         order = self.membership.move(member, request.stage, "moved by the operator")
-        self.protocol.node_lost(member.node_id)  # its leases, if a head, go to the others
         await self._moved(order)
         await self._after_change()
         return coordinator_pb2.MoveReply(from_stage=before)

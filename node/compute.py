@@ -86,5 +86,12 @@ def _set_result(future: asyncio.Future[Any], result: Any) -> None:
 
 
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
-    if not future.cancelled():
-        future.set_exception(exc)
+    if future.cancelled():
+        return
+    if isinstance(exc, StopIteration):
+        # A future cannot hold StopIteration (asyncio refuses it, and the awaiting coroutine
+        # would wait forever): hand it over as the RuntimeError a generator would raise.
+        wrapped = RuntimeError(f"a compute job raised StopIteration: {exc!r}")
+        wrapped.__cause__ = exc
+        exc = wrapped
+    future.set_exception(exc)

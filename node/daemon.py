@@ -139,6 +139,8 @@ class NodeDaemon:
         self._ready_info: dict[str, Any] = {}
         self._client: aiomqtt.Client | None = None
         self._move_order = 0
+        self._applies: set[asyncio.Task[Any]] = set()
+        """Optimizer steps under way; a move cancels them."""
         self.samples_per_second = 0.0
         """Samples/s, smoothed over the telemetry ticks (the status line's figure)."""
 
@@ -375,6 +377,8 @@ class NodeDaemon:
         self.status.stop_serving()  # refuse new microbatches; senders reroute
         if old.head is not None:
             old.head.stopping.set()
+        for task in list(self._applies):
+            task.cancel()  # the old stage's optimizer step is no longer this node's to take
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while self.status.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -421,13 +425,15 @@ class NodeDaemon:
         """Leave the run cleanly (signal handlers call this)."""
         self.status.request_stop(reason, failed=failed)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
+        self._applies.discard(task)
         if task.cancelled() or task.exception() is None or self.status.stopping:
             return
         exc = task.exception()
@@ -522,7 +528,7 @@ class NodeDaemon:
         elif not self.status.serving:
             return  # a syncing node's state is not the stage's: it applies nothing
         elif state.phase == Phase.PHASE_APPLY and state.step == joined.ctx.runtime.step:
-            self._spawn(self._apply(joined, state.step))
+            self._applies.add(self._spawn(self._apply(joined, state.step)))
         elif (
             state.phase == Phase.PHASE_SAVE
             and self.node_id in state.save_from

@@ -12,7 +12,7 @@ import pytest
 from swarmpipe.process.ready import poll_until, read_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_a_moved_node_serves_its_new_stage_and_bad_moves_are_refused(procs, tiny) -> None:  # type: ignore[no-untyped-def]

@@ -49,6 +49,7 @@ def test_a_hand_started_run_stores_every_final_state_then_summarises_and_exits( 
     assert "held-out -" not in log  # the final evaluation is in the summary
 
 
+@pytest.mark.slow
 def test_a_replica_killed_while_saving_is_replaced_and_nothing_is_lost(  # type: ignore[no-untyped-def]
     procs, tiny
 ) -> None:
