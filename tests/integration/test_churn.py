@@ -49,6 +49,7 @@ def _marker(path: Path) -> dict[str, Any] | None:
     return data
 
 
+@pytest.mark.slow
 def test_killing_the_origin_of_in_flight_microbatches_replays_them(procs, tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
     steps = 10
     target = procs.coordinator(
@@ -77,6 +78,7 @@ def test_killing_the_origin_of_in_flight_microbatches_replays_them(procs, tiny, 
         coordinator.channel.close()
 
 
+@pytest.mark.slow
 def test_a_replica_killed_inside_the_reduce_is_dropped_and_the_others_agree(  # type: ignore[no-untyped-def]
     procs, tiny, tmp_path
 ) -> None:

@@ -204,6 +204,7 @@ def test_bottleneck_with_narrowed_zstd_activations_trains_through_real_nodes(
     assert sent["activation"] < 0.75 * hops * plain  # 23 levels packed: about 4.6 bits a code
 
 
+@pytest.mark.slow
 def test_lowrank_activations_and_topk_gradients_train_end_to_end(
     tmp_path: Path, tiny: list[str]
 ) -> None:

@@ -199,7 +199,7 @@ def test_node_exits_with_one_line_when_coordinator_is_unreachable(tmp_path: Path
             "--coordinator",
             f"127.0.0.1:{port}",
             "--join-timeout",
-            "2",
+            "0.5",
             "--listen",
             "127.0.0.1:0",
         ],

@@ -81,6 +81,7 @@ def test_testnet_trains_reports_and_leaves_nothing(tmp_path: Path, tiny: list[st
     poll_until(lambda: not any(_alive(p) for p in pids), 10, "every child to exit")
 
 
+@pytest.mark.slow
 def test_a_coordinator_killed_from_outside_stops_the_whole_testnet(
     tmp_path: Path, tiny: list[str]
 ) -> None:
@@ -125,6 +126,7 @@ def test_a_node_killed_from_outside_is_churn_and_the_run_goes_on(
     assert "churn: died n3" in output, output
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_process(tmp_path: Path, tiny: list[str]) -> None:
     popen = _start(tmp_path, tiny, "--steps", "100000", "--nodes", "3")
     poll_until(lambda: len(_child_pids(tmp_path)) == 4, 120, "every child to start")
