@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 INSTALL_HINT = "pip install 'swarmpipe[report]'"
 
-CHURN_STYLE: dict[str, tuple[str, Literal["-", "--", ":"]]] = {
+CHURN_STYLE: dict[str, tuple[str, Literal["-", "--", "-.", ":"]]] = {
     "kill": ("#d62728", "-"),
+    "died": ("#8c1c13", "-."),
     "start": ("#2ca02c", "--"),
     "link": ("#9467bd", ":"),
 }
@@ -169,7 +170,8 @@ def _title(report: dict[str, Any]) -> str:
 
 def _performed(record: dict[str, Any]) -> bool:
     outcome = str(record.get("outcome", ""))
-    return outcome in PERFORMED or outcome.startswith("limited")
+    # "killed by SIGKILL from outside the testnet": a node that died without the testnet.
+    return outcome in PERFORMED or outcome.startswith(("limited", "killed by"))
 
 
 def _churn_label(record: dict[str, Any]) -> str:
@@ -227,7 +229,12 @@ def _churn_handles(churn: list[dict[str, Any]]) -> list[Artist]:
     """A legend entry for each kind of churn line drawn."""
     from matplotlib.lines import Line2D
 
-    names = {"kill": "kill (SIGKILL)", "start": "start", "link": "link limit"}
+    names = {
+        "kill": "kill (SIGKILL)",
+        "died": "died (killed from outside)",
+        "start": "start",
+        "link": "link limit",
+    }
     kinds = sorted({r["action"] for r in churn}, key=list(CHURN_STYLE).index)
     return [
         Line2D([], [], color=CHURN_STYLE[k][0], linestyle=CHURN_STYLE[k][1], linewidth=1.5,
