@@ -146,6 +146,18 @@ def _links(status: coordinator_pb2.StatusReply) -> list[dict[str, Any]]:
     return links
 
 
+def sample_counters(c: coordinator_pb2.SampleCounters) -> dict[str, int]:
+    """The run's sample counters by name, as the status JSON and report.json carry them."""
+    return {
+        "leased": c.leased,
+        "committed": c.committed,
+        "replayed": c.replayed,
+        "duplicates": c.duplicates,
+        "lost": c.lost,
+        "outstanding": c.outstanding,
+    }
+
+
 def status_view(status: coordinator_pb2.StatusReply) -> dict[str, Any]:
     """The swarm as `swarmpipe status --json` prints it (keys in the module docstring)."""
     steps = list(status.steps)
@@ -170,14 +182,7 @@ def status_view(status: coordinator_pb2.StatusReply) -> dict[str, Any]:
             "held_out_step": last_eval.step if last_eval else None,
         },
         "samples_per_second": sum(s.samples for s in recent) / seconds if seconds > 0 else None,
-        "samples": {
-            "leased": c.leased,
-            "committed": c.committed,
-            "replayed": c.replayed,
-            "duplicates": c.duplicates,
-            "lost": c.lost,
-            "outstanding": c.outstanding,
-        },
+        "samples": sample_counters(c),
         "nodes_online": sum(1 for n in status.nodes if n.online),
         "nodes_known": len(status.nodes),
         "joins": status.joins,

@@ -32,6 +32,7 @@ import grpc
 from swarmpipe.config import RunConfig, add_config_arguments, load_config
 from swarmpipe.control import link_control
 from swarmpipe.control.bus import parse_broker_url
+from swarmpipe.control.status_view import sample_counters
 from swarmpipe.coordinator.summary import summary_lines
 from swarmpipe.errors import ConfigError, SwarmpipeError
 from swarmpipe.process.ready import wait_ready_file
@@ -567,14 +568,7 @@ def build_report(
         "compute_ms_per_microbatch": {
             n.node_id: n.compute_seconds_per_microbatch * 1e3 for n in status.nodes
         },
-        "counters": {
-            "leased": c.leased,
-            "committed": c.committed,
-            "replayed": c.replayed,
-            "duplicates": c.duplicates,
-            "lost": c.lost,
-            "outstanding": c.outstanding,
-        },
+        "counters": sample_counters(c),
         "members": [
             {
                 "node_id": n.node_id,
