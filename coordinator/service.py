@@ -32,6 +32,7 @@ from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.errors import PeerError
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
 from swarmpipe.storage.checkpoints import CheckpointStore, CheckpointWriter, state_messages
+from swarmpipe.transport.request_parsing import BAD_REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ _PHASES = {
     Phase.DONE: control_pb2.StepState.PHASE_DONE,
 }
 MAX_LEASE_WAIT_S = 30.0
+# A refused upload is logged through the rate-limited log of bad calls.
+PUT_CHECKPOINT = "/swarmpipe.v1.Coordinator/PutCheckpoint"
 MAX_READY_WAIT_S = 30.0
 MAX_NODE_ID_LEN = 128
 # At most one plan per this many seconds for routing-weight changes alone
@@ -514,7 +517,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except PeerError as exc:
             if writer is not None:
                 writer.abort()
-            logger.warning("refused a checkpoint: %s", exc)
+            BAD_REQUESTS.record(PUT_CHECKPOINT, context.peer(), f"a checkpoint: {exc}")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
         except BaseException:

@@ -30,10 +30,14 @@ from swarmpipe.node.state_transfer import StateTransfer
 from swarmpipe.node.token_ids import decode_token_ids, tokens_from_labels
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import stage_pb2, stage_pb2_grpc, state_pb2, tensor_pb2
+from swarmpipe.transport.request_parsing import BAD_REQUESTS
 
 logger = logging.getLogger(__name__)
 
 MAX_SAMPLES_PER_MICROBATCH = 4096
+# Refusals are logged through the process's rate-limited log of bad calls, by method.
+FORWARD_METHOD = "/swarmpipe.v1.Stage/Forward"
+REDUCE = "/swarmpipe.v1.Stage/Reduce"
 MIDDLE_HOP_ATTEMPTS = 2
 
 
@@ -137,7 +141,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         try:
             return await replica_sync.receive(request_iterator)
         except (PeerError, CodecError) as exc:
-            logger.warning("refused a gradient for the reduce: %s", exc)
+            BAD_REQUESTS.record(REDUCE, context.peer(), f"a gradient for the reduce: {exc}")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
 
@@ -234,7 +238,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             labels, tokens = decode_labels_and_tokens(header, d.config.model.vocab)
             runtime.check_tokens(tokens)
         except (PeerError, CodecError) as exc:
-            logger.warning("refused a microbatch: %s", exc)
+            BAD_REQUESTS.record(FORWARD_METHOD, context.peer(), f"a microbatch: {exc}")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
         if header.step != runtime.step:
