@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -159,8 +158,8 @@ async def serve(args: argparse.Namespace) -> int:
         logger.info("stopping")
     finally:
         watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
+        # Its exception, if any, was raised above; the server must stop all the same.
+        await asyncio.gather(watch, return_exceptions=True)
         await server.stop(grace=2.0)
         if metrics is not None:
             metrics.close()

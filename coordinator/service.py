@@ -26,10 +26,10 @@ import aiomqtt
 import grpc
 
 from swarmpipe.config import RunConfig, codec_enum, codec_name
-from swarmpipe.control.bus import BrokerAddress, Topics, make_client
+from swarmpipe.control.bus import BrokerAddress, BrokerAuthError, Topics, make_client
 from swarmpipe.coordinator.membership import Member, Membership, MoveOrder
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
-from swarmpipe.errors import PeerError
+from swarmpipe.errors import PeerError, SwarmpipeError
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
 from swarmpipe.storage.checkpoints import CheckpointStore, CheckpointWriter, state_messages
 from swarmpipe.transport.request_parsing import BAD_REQUESTS
@@ -665,11 +665,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- MQTT -----------------------------------------------------------
 
     async def watch_mqtt(self) -> None:
-        """Follow presence and telemetry; reconnect when the broker connection drops."""
+        """Follow presence and telemetry; reconnect when the broker connection drops.
+
+        A broker that refuses the coordinator's credentials at start is a one-line error
+        (the coordinator exits 1): they will not get better by retrying. Refused later, after
+        it was in once, the coordinator keeps trying, since the swarm depends on it."""
         backoff = 0.05
+        connected_once = False
         while True:
             try:
                 async with make_client(self.broker, f"coordinator-{self.config.run_id}") as client:
+                    connected_once = True
                     self._mqtt = client
                     await client.subscribe(self.topics.presence(), qos=1)
                     await client.subscribe(self.topics.telemetry(), qos=0)
@@ -679,6 +685,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     await self._publish_step()
                     async for message in client.messages:
                         await self._on_message(str(message.topic), message.payload)
+            except BrokerAuthError as exc:
+                if not connected_once:
+                    raise SwarmpipeError(
+                        f"cannot use the MQTT broker at {self.broker.url}: {exc}"
+                    ) from exc
+                self._mqtt_ready.clear()
+                logger.warning("MQTT broker %s: %s; trying again", self.broker.url, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
             except aiomqtt.MqttError as exc:
                 self._mqtt_ready.clear()
                 logger.warning(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -119,16 +118,15 @@ def test_wrong_passwords_are_one_clear_line(
     assert "the broker refused user 'node': not authorized" in last, log
     assert "Traceback" not in log, log
 
-    # A coordinator with a wrong password keeps trying, saying why on each try.
+    # A coordinator with a wrong password at start stops with one line: retrying cannot help.
     args = ["coordinator", "--listen", "127.0.0.1:0", "--broker", secured_broker.url]
     args += ["--state-dir", str(procs.tmp / "state2")]
-    bad, _ = procs.start("bad-coordinator", *args, env=_credentials("coordinator", "wrong"))
-    bad_log = procs.tmp / "bad-coordinator.log"
-    poll_until(
-        lambda: "the broker refused user 'coordinator': not authorized" in bad_log.read_text(),
-        30,
-        "the coordinator to report the refusal",
+    bad, _ = procs.start(
+        "bad-coordinator", *args, ready=False, env=_credentials("coordinator", "wrong")
     )
-    bad.send_signal(signal.SIGTERM)
-    assert bad.wait(timeout=30) == 0
-    assert "Traceback" not in bad_log.read_text()
+    assert bad.wait(timeout=30) == 1
+    bad_log = (procs.tmp / "bad-coordinator.log").read_text()
+    errors = [line for line in bad_log.splitlines() if line.startswith("swarmpipe coordinator")]
+    assert len(errors) == 1, bad_log
+    assert "the broker refused user 'coordinator': not authorized" in errors[0], bad_log
+    assert "Traceback" not in bad_log
