@@ -26,7 +26,9 @@ _STOP = -1
 class ComputeWorker:
     """Runs submitted callables on one thread, by priority then arrival order."""
 
-    def __init__(self, name: str = "compute") -> None:
+    def __init__(self, name: str = "compute", *, slowdown: float = 1.0) -> None:
+        self.slowdown = slowdown
+        """Each job takes this many times as long (a testnet's slow node); 1: as it runs."""
         self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -49,26 +51,45 @@ class ComputeWorker:
             finally:
                 self.busy_seconds += time.perf_counter() - start
 
-    async def run(self, priority: int, fn: Callable[[], T]) -> T:
-        """Run fn on the compute thread and await its result."""
+    def _slowed(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """fn, taking `slowdown` times as long: the thread stays busy as long as it would on
+        a slower machine, and every measurement of its compute time sees that."""
+        if self.slowdown <= 1.0:
+            return fn
+
+        def slowed() -> T:
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+
+        return slowed
+
+    async def _submit(self, priority: int, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._queue.put((priority, next(self._order), (fn, future, loop)))
         return await future
 
+    async def run(self, priority: int, fn: Callable[[], T]) -> T:
+        """Run fn on the compute thread and await its result."""
+        return await self._submit(priority, self._slowed(fn))
+
     async def run_timed(self, priority: int, fn: Callable[[], T]) -> tuple[T, float]:
         """Run fn like `run`; also return the seconds it ran (waiting in the queue excluded)."""
         seconds = 0.0
+        job = self._slowed(fn)
 
         def timed() -> T:
             nonlocal seconds
             start = time.perf_counter()
             try:
-                return fn()
+                return job()
             finally:
                 seconds = time.perf_counter() - start
 
-        result = await self.run(priority, timed)
+        result = await self._submit(priority, timed)
         return result, seconds
 
     @property

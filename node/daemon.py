@@ -84,6 +84,8 @@ class NodeOptions:
     join_timeout_s: float = 30.0
     broker_retry_s: float = 1.0
     """First wait before trying the MQTT broker again at start; doubles each try."""
+    compute_slowdown: float = 1.0
+    """Make every compute job this many times slower (a testnet's slow node)."""
     """Give up (exit code 3) when the coordinator does not answer for this long."""
     ready_file: str = ""
     link_mbit: float | None = None
@@ -122,7 +124,7 @@ class NodeDaemon:
         self.options = options
         self.node_id = options.node_id
         self.status = NodeStatus()
-        self.compute = ComputeWorker()
+        self.compute = ComputeWorker(slowdown=options.compute_slowdown)
         self.stats = LinkStats()
         self.links = Links()
         self.link_settings = LinkSettings(self.node_id)

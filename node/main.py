@@ -35,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first wait before trying the MQTT broker again at start; doubles each of 4 tries",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--compute-slowdown",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="make this node's compute FACTOR times slower, to try a slow machine on a fast "
+        "one (the testnet's --node-profile slow:FACTOR)",
+    )
     parser.add_argument("--ready-file", default="", help="write the bound port here as JSON")
     parser.add_argument(
         "--link-mbit",
@@ -56,6 +64,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
+    if not 1.0 <= args.compute_slowdown <= 1000.0:
+        raise ConfigError(f"--compute-slowdown {args.compute_slowdown:g}: give 1 to 1000")
     if not 0 < args.broker_retry <= 600:
         raise ConfigError(f"--broker-retry {args.broker_retry:g}: give 0 < seconds <= 600")
     if args.node_id == ALL:
@@ -69,6 +79,7 @@ async def serve(args: argparse.Namespace) -> int:
         broker=args.broker,
         join_timeout_s=args.join_timeout,
         broker_retry_s=args.broker_retry,
+        compute_slowdown=args.compute_slowdown,
         ready_file=args.ready_file,
         link_mbit=args.link_mbit,
         metrics=metrics,

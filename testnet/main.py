@@ -42,6 +42,7 @@ from swarmpipe.testnet.metrics_scrape import MetricsScraper
 from swarmpipe.testnet.node_timeline import NodeTimeline
 from swarmpipe.testnet.picture import write_picture
 from swarmpipe.testnet.processes import Child, ProcessGroup
+from swarmpipe.testnet.profiles import parse_profiles
 from swarmpipe.testnet.progress import ProgressBar
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.rpc import open_channel
@@ -71,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-mbit",
         type=float,
         help="limit every link to this many Mbit/s in each direction (pipeline.link_mbit)",
+    )
+    parser.add_argument(
+        "--node-profile",
+        action="append",
+        default=[],
+        metavar="NODE=mbit:X,slow:Y",
+        help="give one node its own send limit (Mbit/s on each link) and a compute slowdown "
+        "factor, e.g. 'n0=mbit:50,slow:2'; repeat for other nodes",
     )
     parser.add_argument(
         "--churn",
@@ -123,6 +132,7 @@ async def serve(args: argparse.Namespace) -> int:
             f"--nodes {args.nodes} cannot cover {config.pipeline.stages} stages; "
             "give at least one node per stage"
         )
+    parse_profiles(args.node_profile, args.nodes)  # a bad profile fails before anything starts
     churn = ChurnPlan(
         parse_schedule(args.churn),
         random_rate_per_min=args.churn_random,
@@ -182,6 +192,7 @@ class Testnet:
         """Flags every daemon gets after its subcommand."""
         self.log_args = ["--log-level", "INFO", "--log-format", args.log_format]
         self.node_timeline = NodeTimeline()
+        self.profiles = parse_profiles(args.node_profile, args.nodes)
         self.bar: ProgressBar | None = None
         """The live bar, on a terminal without --quiet; otherwise plain progress lines."""
 
@@ -201,6 +212,9 @@ class Testnet:
         ]
         if self.args.broker:
             node_args += ["--broker", self.args.broker]
+        profile = self.profiles.get(name)
+        if profile is not None:
+            node_args += profile.node_args()
         return node_args
 
     def _start_children(self) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from swarmpipe.node.compute import BACKWARD, FORWARD, ComputeWorker
@@ -25,5 +27,15 @@ async def test_a_job_raising_stop_iteration_fails_instead_of_hanging() -> None:
         with pytest.raises(RuntimeError, match="StopIteration"):
             await worker.run(BACKWARD, lambda: next(iter([])))
         assert await worker.run(FORWARD, lambda: "still serving") == "still serving"
+    finally:
+        worker.close()
+
+
+async def test_a_slowed_worker_stays_busy_that_many_times_as_long() -> None:
+    worker = ComputeWorker(slowdown=3.0)
+    try:
+        await worker.run(FORWARD, lambda: time.sleep(0.02))
+        # At least 20 ms of work and 40 ms more of slowness; sleeps never end early.
+        assert worker.busy_seconds >= 0.06
     finally:
         worker.close()

@@ -231,3 +231,27 @@ def test_a_stage_that_loses_its_last_replica_gets_a_node_moved_to_it(
     assert [r["node"] for r in report["churn"] if r["action"] == "died"] == [victim]
     moved = next(m for m in report["members"] if m["node_id"] == move["node"])
     assert moved["stage"] == 2 and moved["last_step"] == 79, report["members"]
+
+
+@pytest.mark.slow
+def test_node_profiles_make_one_node_slow_and_limit_anothers_links(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    popen = _start(
+        tmp_path, tiny, "--steps", "12", "--nodes", "3",
+        "--node-profile", "n1=slow:5", "--node-profile", "n2=mbit:5",
+    )  # fmt: skip
+    output = _finish(popen)
+    assert popen.returncode == 0, output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["counters"]["lost"] == 0
+    ms = report["compute_ms_per_microbatch"]
+    assert ms["n1"] > 2 * max(ms["n0"], ms["n2"]), ms  # five times slower, with margin
+    limits = {(c["src"], c["dst"]): c["limit_mbit"] for c in report["link_choices"]}
+    assert {limit for (src, _), limit in limits.items() if src == "n2"} == {5.0}, limits
+    assert all(not limit for (src, _), limit in limits.items() if src != "n2"), limits  # 0: none
+    cmd = ["testnet", "--nodes", "3", "--node-profile", "n7=slow:2"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "swarmpipe", *cmd], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "no node 'n7' in this testnet" in bad.stderr, bad.stderr
