@@ -9,6 +9,7 @@ processes, and yields each run as it finishes.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import multiprocessing
 import time
@@ -84,25 +85,12 @@ class SimulatedPipeline:
         self, tensor: torch.Tensor, codec: str, hop: int, direction: str, *, count: bool = True
     ) -> torch.Tensor:
         """`tensor` as the other side of `hop` receives it; counts its bytes when `count`."""
-        from swarmpipe.compression import EncoderState, decode_tensor, encode_tensor
+        from swarmpipe.compression import EncoderState, decode_tensor
 
         key = (hop, direction)
         if key not in self._states:
             self._states[key] = EncoderState(error_feedback=direction != "activation")
-        o = self.options
-        header, payload = encode_tensor(
-            tensor,
-            codec,
-            block_size=o.block_size,
-            rounding=o.rounding(codec, direction, tensor.device),
-            channel_blocks=o.channel_blocks,
-            centered=direction in o.centered_blocks,
-            entropy=o.entropy(direction),
-            code_max=o.code_max(direction),
-            topk_fraction=o.topk_fraction,
-            rank=o.lowrank_rank,
-            state=self._states[key],
-        )
+        header, payload = self.options.encode_now(tensor, codec, direction, self._states[key])
         if count:
             self.wire[direction] += header.ByteSize() + len(payload)
         return decode_tensor(header, payload, device=self.device)
@@ -286,18 +274,14 @@ def train_all(
     `threads` torch threads each; yields each run as it finishes (in plan order with one job).
     """
     level = logging.getLogger().getEffectiveLevel()
+    # One run's keywords, bound once (a partial of a module function pickles for the pool).
+    run = functools.partial(
+        train_setting, steps=steps, eval_every=eval_every, eval_samples=eval_samples, device=device
+    )
     if jobs == 1:
         _start_worker(threads, level)
         for setting, seed in plan:
-            yield train_setting(
-                overrides,
-                setting,
-                seed,
-                steps=steps,
-                eval_every=eval_every,
-                eval_samples=eval_samples,
-                device=device,
-            )
+            yield run(overrides, setting, seed)
         return
     # spawn, not fork: the parent may hold torch threads, which fork does not copy safely.
     with concurrent.futures.ProcessPoolExecutor(
@@ -306,19 +290,7 @@ def train_all(
         initializer=_start_worker,
         initargs=(threads, level),
     ) as pool:
-        futures = [
-            pool.submit(
-                train_setting,
-                overrides,
-                setting,
-                seed,
-                steps=steps,
-                eval_every=eval_every,
-                eval_samples=eval_samples,
-                device=device,
-            )
-            for setting, seed in plan
-        ]
+        futures = [pool.submit(run, overrides, setting, seed) for setting, seed in plan]
         for future in concurrent.futures.as_completed(futures):
             yield future.result()
 

@@ -103,6 +103,25 @@ class EncodeOptions:
         generator.seed()
         return Rounding(stochastic=True, generator=generator)
 
+    def encode_now(
+        self, tensor: torch.Tensor, codec: int | str, role: str, state: EncoderState | None
+    ) -> tuple[tensor_pb2.TensorHeader, bytes]:
+        """`tensor`, a tensor of `role`, under `codec` with these options, on this thread:
+        how a node encodes what it sends (and the convergence bench what a hop would)."""
+        return encode_tensor(
+            tensor,
+            codec,
+            block_size=self.block_size,
+            rounding=self.rounding(codec, role, tensor.device),
+            channel_blocks=self.channel_blocks,
+            centered=role in self.centered_blocks,
+            entropy=self.entropy(role),
+            code_max=self.code_max(role),
+            topk_fraction=self.topk_fraction,
+            rank=self.lowrank_rank,
+            state=state,
+        )
+
 
 async def encode(
     tensor: torch.Tensor,
@@ -117,19 +136,7 @@ async def encode(
     codecs use (see swarmpipe.compression)."""
 
     def work() -> EncodedTensor:
-        header, payload = encode_tensor(
-            tensor,
-            codec,
-            block_size=options.block_size,
-            rounding=options.rounding(codec, role, tensor.device),
-            channel_blocks=options.channel_blocks,
-            centered=role in options.centered_blocks,
-            entropy=options.entropy(role),
-            code_max=options.code_max(role),
-            topk_fraction=options.topk_fraction,
-            rank=options.lowrank_rank,
-            state=state,
-        )
+        header, payload = options.encode_now(tensor, codec, role, state)
         return EncodedTensor(header, list(iter_chunks(payload)))
 
     return await asyncio.to_thread(work)
