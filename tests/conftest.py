@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,19 +164,17 @@ def module_procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Procs]:
         p.reap()
 
 
-@pytest.fixture(scope="session")
-def mosquitto() -> Iterator[str]:
-    """A real mosquitto broker on a free loopback port."""
+@contextlib.contextmanager
+def run_mosquitto(conf: Path, settings: list[str]) -> Iterator[str]:
+    """Debian's mosquitto on a free loopback port with `settings` (mosquitto.conf lines
+    beside the listener) written to `conf`; yields its mqtt:// URL and stops it after."""
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not Path(binary).exists():
         pytest.skip("mosquitto is not installed (scripts/test.sh installs it as root)")
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    conf = Path(f"/tmp/swarmpipe-mosquitto-{os.getpid()}.conf")
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    conf.write_text("\n".join([f"listener {port} 127.0.0.1", *settings]) + "\n")
     popen = subprocess.Popen(
         [binary, "-c", str(conf)],
         stdout=subprocess.DEVNULL,
@@ -192,4 +192,25 @@ def mosquitto() -> Iterator[str]:
     finally:
         popen.terminate()
         popen.wait(timeout=10)
-        conf.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real mosquitto broker on a free loopback port, anonymous clients welcome."""
+    conf = tmp_path_factory.mktemp("mosquitto") / "mosquitto.conf"
+    settings = ["allow_anonymous true", "persistence false"]
+    if os.geteuid() == 0:
+        settings.append("user root")  # else it drops to `mosquitto`, who cannot read tmp dirs
+    with run_mosquitto(conf, settings) as url:
+        yield url
+
+
+@pytest.fixture
+def mosquitto_with(tmp_path: Path) -> Iterator[Callable[[list[str]], str]]:
+    """Start a mosquitto of this test's own: `mosquitto_with(settings)` returns its URL."""
+    with contextlib.ExitStack() as stack:
+
+        def start(settings: list[str]) -> str:
+            return stack.enter_context(run_mosquitto(tmp_path / "mosquitto.conf", settings))
+
+        yield start

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from swarmpipe.control.bus import PASSWORD_ENV, USERNAME_ENV
-from swarmpipe.process.ready import poll_until
 from tests.conftest import REPO, Procs
 
 PASSWORDS = {"coordinator": "coord-secret", "node": "node-secret"}
@@ -29,47 +27,26 @@ class SecuredBroker:
 
 
 @pytest.fixture
-def secured_broker(tmp_path: Path) -> Iterator[SecuredBroker]:
+def secured_broker(
+    tmp_path: Path, mosquitto_with: Callable[[list[str]], str]
+) -> Iterator[SecuredBroker]:
     """mosquitto on a free loopback port with a password file and deploy/mosquitto/acl."""
-    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     passwd_tool = shutil.which("mosquitto_passwd")
-    if not Path(binary).exists() or passwd_tool is None:
+    if passwd_tool is None:
         pytest.skip("mosquitto is not installed (scripts/test.sh installs it as root)")
     passwd = tmp_path / "passwd"
     for i, (user, password) in enumerate(PASSWORDS.items()):
         create = ["-c"] if i == 0 else []
         subprocess.run([passwd_tool, *create, "-b", str(passwd), user, password], check=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    conf = tmp_path / "mosquitto.conf"
-    lines = [
-        f"listener {port} 127.0.0.1",
+    settings = [
         "allow_anonymous false",
         f"password_file {passwd}",
         f"acl_file {REPO / 'deploy' / 'mosquitto' / 'acl'}",
         "persistence false",
     ]
     if os.geteuid() == 0:
-        lines.append("user root")  # else it drops to `mosquitto`, who cannot read tmp_path
-    conf.write_text("\n".join(lines) + "\n")
-    popen = subprocess.Popen(
-        [binary, "-c", str(conf)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-
-        def accepting() -> bool:
-            with socket.socket() as c:
-                return c.connect_ex(("127.0.0.1", port)) == 0
-
-        poll_until(accepting, 10, "mosquitto to accept connections")
-        yield SecuredBroker(url=f"mqtt://127.0.0.1:{port}")
-    finally:
-        popen.terminate()
-        popen.wait(timeout=10)
+        settings.append("user root")  # else it drops to `mosquitto`, who cannot read tmp_path
+    yield SecuredBroker(url=mosquitto_with(settings))
 
 
 def _credentials(user: str, password: str) -> dict[str, str]:
