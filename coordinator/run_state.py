@@ -7,7 +7,8 @@ from the last complete step: the newest step for which every stage has a checkpo
 always trains on the same samples, and each stage's checkpoint holds its parameters and
 optimizer state, so nodes that join a resumed run restore those checkpoints and train on as
 if nothing had happened. A coordinator started without `--resume` on a folder that already
-holds the same run refuses, rather than mix a new run's checkpoints with the old one's.
+holds checkpoints of the same run refuses, rather than mix a new run's checkpoints with the
+old one's.
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ def _read(path: Path) -> dict[str, object]:
 
 
 def start(state_dir: Path, config: RunConfig) -> None:
-    """A new run: refuse a folder that already holds this run, then record its config."""
-    folder = run_folder(state_dir, config.run_id)
+    """A new run: refuse a folder that already holds checkpoints of this run, then record
+    its config. A record with no checkpoint beside it (a coordinator stopped before any was
+    stored) holds nothing to lose, and is replaced: --resume could not continue it."""
     store = CheckpointStore(state_dir / "checkpoints", config.run_id)
     held = [store.latest(stage) for stage in range(config.pipeline.stages)]
-    if (folder / RUN_FILE).exists() or any(held):
+    if any(held):
         newest = max((entry[0] for entry in held if entry), default=0)
         raise ConfigError(
             f"{state_dir} already holds run {config.run_id!r} (checkpoints up to step {newest}): "

@@ -35,6 +35,9 @@ def test_the_last_complete_step_is_the_newest_every_stage_has(tmp_path: Path) ->
 def test_a_new_run_refuses_a_folder_that_holds_it(tmp_path: Path) -> None:
     config = load_config(None, [*TINY, "pipeline.stages=2"])
     run_state.start(tmp_path, config)
+    # Stopped before any checkpoint: nothing to lose, and --resume could not continue it.
+    run_state.start(tmp_path, config)
+    _fake_checkpoints(tmp_path, {0: [10]})
     with pytest.raises(ConfigError, match=r"already holds run 'testnet'.*--resume"):
         run_state.start(tmp_path, config)
     # Another run id lives in its own folder.
