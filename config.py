@@ -406,6 +406,48 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RobustConfig:
+    """Defences against a replica or peer that sends poisoned tensors (node/robust_reduce.py)."""
+
+    reduce_norm_ratio: float = 10.0
+    """A replica's contribution to the reduce is dropped when its norm per token (per
+    sample for DiLoCo deltas), or its token count, exceeds this many times the median of
+    the other replicas'. Honest replicas on a shared data stream differ by a small factor
+    (microbatch noise, uneven traffic); 10 leaves them room while a x1000 gradient fails."""
+    clip_radius: float = 1.0
+    """With three or more contributions the replicas combine them by a centred clip: each
+    one's offset from the centre counts at most this many times the median offset from the
+    coordinate-wise median. Iterated, a fixed radius converges to the plain mean once every
+    offset fits inside it, so a wide radius lets noise of a plausible norm (about 1.7x an
+    honest offset) back in; at 1.0 it stays clipped and honest ones are shortened little."""
+    clip_iterations: int = 3
+    """Rounds of the centred clip (the first already lands on the plain mean when nothing
+    is clipped)."""
+    data_norm_ratio: float = 100.0
+    """A stage refuses (INVALID_ARGUMENT) an activation or gradient whose root-mean-square
+    value exceeds this many times the median of the last `data_norm_window` it accepted
+    of that kind: relative, because the scale of activations depends on the model."""
+    data_norm_window: int = 64
+    """Accepted tensors of each kind the data-plane median is taken over; until 8 have
+    been seen only the finite check applies."""
+    bench_s: float = 600.0
+    """How long the coordinator keeps a reported node out of the run (Join refused)."""
+
+    def __post_init__(self) -> None:
+        for name in ("reduce_norm_ratio", "data_norm_ratio"):
+            if not getattr(self, name) > 1:
+                raise ConfigError(f"robust.{name} must be > 1 (it is a ratio to a median)")
+        if not self.clip_radius > 0:
+            raise ConfigError("robust.clip_radius must be positive")
+        if self.clip_iterations < 1:
+            raise ConfigError("robust.clip_iterations must be >= 1")
+        if self.data_norm_window < 8:
+            raise ConfigError("robust.data_norm_window must be >= 8")
+        if self.bench_s < 0:
+            raise ConfigError("robust.bench_s must be >= 0 (0: report without benching)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     """Everything that defines a run; the coordinator sends it to every node."""
 
@@ -417,6 +459,7 @@ class RunConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
 
     def __post_init__(self) -> None:
         if not self.run_id or any(c in self.run_id for c in "/#+ "):

@@ -29,6 +29,7 @@ from swarmpipe.config import RunConfig, codec_enum, codec_name
 from swarmpipe.control.bus import BrokerAddress, BrokerAuthError, Topics, make_client
 from swarmpipe.coordinator.membership import Member, Membership, MoveOrder
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
+from swarmpipe.coordinator.suspects import DATA, REDUCE, Suspects
 from swarmpipe.errors import PeerError, SwarmpipeError
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
 from swarmpipe.storage.checkpoints import CheckpointStore, CheckpointWriter, state_messages
@@ -98,6 +99,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.joins = 0
         self.departures = 0
         self.move_records: list[coordinator_pb2.MoveRecord] = []
+        self.suspects = Suspects(bench_s=config.robust.bench_s)
 
     # -- state changes --------------------------------------------------
 
@@ -270,6 +272,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
         if self.protocol.phase is Phase.DONE:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
+        refusal = self.suspects.refusal(request.node_id, time.monotonic())
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         # The joiner serves only once it holds its stage's current state (Ready).
         member = self.membership.assign(request.node_id, request.address)
         self.joins += 1
@@ -416,6 +421,56 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self._publish_plan()
         await self._after_change()
         return coordinator_pb2.DrainReply()
+
+    async def ReportPeer(
+        self, request: coordinator_pb2.ReportPeerRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.ReportPeerReply:
+        kinds = {
+            coordinator_pb2.ReportPeerRequest.KIND_REDUCE: REDUCE,
+            coordinator_pb2.ReportPeerRequest.KIND_DATA: DATA,
+        }
+        reporter = self.membership.members.get(request.reporter)
+        suspect = self.membership.members.get(request.suspect)
+        if reporter is None or not reporter.serving or reporter.drained:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"reporter {request.reporter!r} is not a serving node of this run",
+            )
+        if suspect is None or request.suspect == request.reporter:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no other node {request.suspect!r} in this run"
+            )
+        if request.kind not in kinds:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "kind must be REDUCE or DATA")
+        assert reporter is not None and suspect is not None  # abort() raised otherwise
+        peers = {m.node_id for m in self.membership.replicas(suspect.stage)} - {suspect.node_id}
+        entry = self.suspects.report(
+            reporter=request.reporter,
+            suspect=request.suspect,
+            step=request.step,
+            kind=kinds[request.kind],
+            reason=request.reason[:300],
+            stage=suspect.stage,
+            stage_peers=peers,
+            now=time.monotonic(),
+        )
+        if entry is None:
+            return coordinator_pb2.ReportPeerReply(benched=False)
+        logger.warning(
+            "node %s (stage %d) benched for %.0f s at step %d: %s reported that %s",
+            entry.node_id,
+            entry.stage,
+            self.config.robust.bench_s,
+            entry.step,
+            ", ".join(entry.reporters),
+            entry.reason,
+        )
+        if self.config.robust.bench_s > 0 and not suspect.drained:
+            suspect.drained = True  # out of the plan, as Drain does; the node stops
+            self.protocol.node_lost(suspect.node_id)
+            await self._publish_plan()
+            await self._after_change()
+        return coordinator_pb2.ReportPeerReply(benched=True)
 
     # -- joining a running run -------------------------------------------
 
@@ -603,7 +658,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             departures=self.departures,
             moves=self.move_records,
             state_dir=str(self.state_dir.resolve()),
+            reports=self.suspects.accepted,
         )
+        now = time.monotonic()
+        for b in self.suspects.history:
+            reply.benched.append(
+                coordinator_pb2.BenchRecord(
+                    node_id=b.node_id,
+                    stage=b.stage,
+                    reason=b.reason,
+                    step=b.step,
+                    reporters=b.reporters,
+                    elapsed_s=b.at - self.started_at,
+                    seconds_left=max(b.until - now, 0.0),
+                )
+            )
         for stage, path in sorted(self.final_states.items()):
             reply.final_states.append(
                 coordinator_pb2.FinalStateRecord(stage=stage, step=p.step, path=str(path))

@@ -22,6 +22,17 @@ nothing is given up on when `pipeline.reduce_timeout_s` runs out, and if our
 own contribution never reached it, we leave ours out too, since it cannot
 have added it.
 
+Robustness. The manifest lists a sha256 of each contribution it holds, and
+a contribution counts as agreed only if every manifest saw the same bytes:
+so all replicas hold identical inputs, and a sender that tells replicas
+different things is dropped by all of them. The agreed contributions then
+pass robust_reduce.aggregate (finite, count and norm screens against the
+others' median; a centred clip with three or more), identically everywhere,
+so every replica drops the same senders; each replica reports the dropped
+senders to the coordinator (ReportPeer), which benches one that a majority
+of its stage's other replicas reported. A digest mismatch is dropped but not
+reported: it cannot tell the lying sender from a lying manifest.
+
 Known limit: two replicas that cannot reach each other in either direction
 while both stay in the plan can still decide differently (agreement under
 partitions needs more rounds than this); the parameter digests each node
@@ -31,6 +42,7 @@ reports after every step make that visible.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,18 +54,29 @@ import torch
 from swarmpipe.compression import EncoderState, decode_tensor
 from swarmpipe.config import codec_enum
 from swarmpipe.errors import PeerError
-from swarmpipe.node import fault_points
+from swarmpipe.node import fault_points, hostile
 from swarmpipe.node.compute import BACKWARD
 from swarmpipe.node.context import StageContext
 from swarmpipe.node.links import Transfer
+from swarmpipe.node.robust_reduce import Aggregate, Per, aggregate
 from swarmpipe.node.transport import EncodedTensor, TensorReader, encode
-from swarmpipe.protos import stage_pb2, stage_pb2_grpc, tensor_pb2
+from swarmpipe.protos import coordinator_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 
 logger = logging.getLogger(__name__)
 
 Contribution = tuple[torch.Tensor, int, int]  # flat vector, tokens, samples
 MAX_MANIFEST_ENTRIES = 1024
 WAIT_SLICE_S = 0.1
+# A report is one small call; the step's StepDone waits behind it, so keep it short.
+REPORT_TIMEOUT_S = 5.0
+
+
+def contribution_digest(c: Contribution) -> bytes:
+    """sha256 of a contribution's vector bytes and counts, as manifests list it."""
+    h = hashlib.sha256()
+    h.update(c[0].detach().float().contiguous().numpy().tobytes())
+    h.update(int(c[1]).to_bytes(8, "little") + int(c[2]).to_bytes(8, "little"))
+    return h.digest()
 
 
 @dataclass(slots=True)
@@ -61,7 +84,8 @@ class _Round:
     """What arrived from peers for one (step, kind) exchange."""
 
     contributions: dict[str, Contribution] = field(default_factory=dict)
-    manifests: dict[str, frozenset[str]] = field(default_factory=dict)
+    manifests: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    """Sender -> the contributions its manifest lists, with their digests."""
 
 
 class ReplicaSync:
@@ -74,6 +98,8 @@ class ReplicaSync:
         # With a topk or lowrank reduce_codec: what it dropped from this replica's sums,
         # carried into the next one (error feedback).
         self._encoder = EncoderState(error_feedback=True)
+        self.hostile = hostile.from_env(ctx.node_id)
+        """Test-only: tamper with what this replica sends (node/hostile.py)."""
 
     def _peers(self) -> dict[str, str]:
         """Other live replicas of this node's stage in the current plan: node id -> address."""
@@ -127,9 +153,9 @@ class ReplicaSync:
                 )
         if header is None or reader is None:
             raise PeerError("the reduce call ended before its headers")
+        # Non-finite values are kept: the robust screen drops them after the
+        # agreement, identically on every replica, and reports the sender.
         flat = (await reader.finish()).float()
-        if not bool(torch.isfinite(flat).all()):
-            raise PeerError("the tensor contains NaN or infinite values")
         exchange = self._round(header.step, header.parameter_delta)
         exchange.contributions[header.sender_node] = (
             flat,
@@ -145,8 +171,15 @@ class ReplicaSync:
             raise PeerError(f"{manifest.sender_node!r} is not a replica of this stage")
         if len(manifest.received) > MAX_MANIFEST_ENTRIES:
             raise PeerError(f"a manifest lists at most {MAX_MANIFEST_ENTRIES} replicas")
+        if len(manifest.digests) != len(manifest.received):
+            raise PeerError(
+                f"a manifest lists {len(manifest.received)} contributions but "
+                f"{len(manifest.digests)} digests"
+            )
         exchange = self._round(manifest.step, manifest.parameter_delta)
-        exchange.manifests[manifest.sender_node] = frozenset(manifest.received)
+        exchange.manifests[manifest.sender_node] = dict(
+            zip(manifest.received, manifest.digests, strict=True)
+        )
         self._arrived.set()
 
     async def _call(
@@ -207,6 +240,9 @@ class ReplicaSync:
         config = d.config
         peers = self._peers()
         codec = codec_enum(config.pipeline.reduce_codec)
+        if self.hostile is not None:
+            tampered = self.hostile.tamper(own[0], node_id=d.node_id, step=step)
+            own = (tampered, own[1], own[2])
         encoded = await encode(own[0], codec, d.links.options, role="reduce", state=self._encoder)
         if codec != tensor_pb2.CODEC_LOSSLESS:
             # Add what the others will decode, not the exact vector, so every
@@ -257,8 +293,15 @@ class ReplicaSync:
         held = {d.node_id: own} | {
             p: exchange.contributions[p] for p in peers if p in exchange.contributions
         }
+        digests = await asyncio.to_thread(
+            lambda: {node: contribution_digest(held[node]) for node in sorted(held)}
+        )
         manifest = stage_pb2.ReduceManifest(
-            step=step, sender_node=d.node_id, received=sorted(held), parameter_delta=delta
+            step=step,
+            sender_node=d.node_id,
+            received=sorted(held),
+            digests=[digests[node] for node in sorted(held)],
+            parameter_delta=delta,
         )
         await asyncio.gather(
             *(
@@ -272,7 +315,15 @@ class ReplicaSync:
         agreed = set(held)
         for sender, listed in exchange.manifests.items():
             if sender in peers:
-                agreed &= listed
+                differ = sorted(n for n in agreed & set(listed) if listed[n] != digests[n])
+                if differ:
+                    logger.warning(
+                        "step %d: %s's manifest saw other bytes from %s than this replica; dropped",
+                        step,
+                        sender,
+                        differ,
+                    )
+                agreed &= set(listed) - set(differ)
         if unreachable & live_peers() - set(exchange.manifests):
             # A live peer lacks this replica's contribution and its manifest
             # did not come to say what it holds: withdrawing ours is the one
@@ -287,29 +338,62 @@ class ReplicaSync:
             logger.warning("step %d: contributions of %s dropped from the reduce", step, dropped)
         return {node: held[node] for node in sorted(agreed)}
 
-    async def _sum(self, contributions: dict[str, Contribution]) -> Contribution:
-        def add_up() -> Contribution:
-            first = next(iter(contributions.values()))[0]
-            total = torch.zeros_like(first)
-            tokens = samples = 0
-            for node in sorted(contributions):  # one order on every replica
-                flat, t, s = contributions[node]
-                total += flat
-                tokens += t
-                samples += s
-            return total, tokens, samples
+    async def _combine(
+        self, step: int, contributions: dict[str, Contribution], per: Per
+    ) -> Aggregate:
+        """The robust aggregate of the agreed contributions (the same on every replica)."""
+        robust = self.ctx.config.robust
+        result: Aggregate = await self.ctx.compute.run(
+            BACKWARD,
+            lambda: aggregate(
+                contributions,
+                per=per,
+                norm_ratio=robust.reduce_norm_ratio,
+                clip_radius=robust.clip_radius,
+                clip_iterations=robust.clip_iterations,
+            ),
+        )
+        if self.ctx.node_id in result.rejected:
+            # What a stateful codec kept back belongs to a vector nobody applied.
+            self._encoder.reset()
+        await self._report(step, result.rejected)
+        return result
 
-        return await self.ctx.compute.run(BACKWARD, add_up)
+    async def _report(self, step: int, rejected: dict[str, str]) -> None:
+        """Log each dropped contribution and report its sender to the coordinator."""
+        d = self.ctx
+        for node, reason in sorted(rejected.items()):
+            if node == d.node_id:
+                logger.warning(
+                    "step %d: this replica's own contribution was dropped: %s", step, reason
+                )
+                continue
+            logger.warning("step %d: dropped %s's contribution: %s", step, node, reason)
+            request = coordinator_pb2.ReportPeerRequest(
+                reporter=d.node_id,
+                suspect=node,
+                step=step,
+                kind=coordinator_pb2.ReportPeerRequest.KIND_REDUCE,
+                reason=reason,
+            )
+            try:
+                await d.coordinator.stub.ReportPeer(request, timeout=REPORT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("could not report %s to the coordinator: %s", node, exc.details())
 
     async def reduce(self, step: int) -> tuple[Contribution | None, int]:
-        """Sum this stage's gradients over its live replicas; (None, 1) when alone."""
+        """Combine this stage's gradients over its live replicas; (None, 1) when alone.
+
+        Returns the (sum, tokens, samples) to apply and how many contributions it holds.
+        """
         d = self.ctx
         runtime = d.runtime
         if not self._peers():
             return None, 1
         own = await d.compute.run(BACKWARD, runtime.local_gradient)
         agreed = await self.exchange(step, own, delta=False)
-        return await self._sum(agreed), len(agreed)
+        result = await self._combine(step, agreed, "tokens")
+        return result.total, len(result.accepted)
 
     async def average_parameters(self, step: int) -> int:
         """DiLoCo: average the replicas' deltas and take the outer step; returns replicas."""
@@ -317,6 +401,6 @@ class ReplicaSync:
         runtime = d.runtime
         own = await d.compute.run(BACKWARD, runtime.parameter_delta)
         agreed = await self.exchange(step, own, delta=True)
-        reduced = await self._sum(agreed)
-        await d.compute.run(BACKWARD, lambda: runtime.outer_step(step, reduced))
-        return len(agreed)
+        result = await self._combine(step, agreed, "samples")
+        await d.compute.run(BACKWARD, lambda: runtime.outer_step(step, result.total))
+        return len(result.accepted)

@@ -608,6 +608,8 @@ class StatusReply(_message.Message):
     DEPARTURES_FIELD_NUMBER: _builtins.int
     STATE_DIR_FIELD_NUMBER: _builtins.int
     MOVES_FIELD_NUMBER: _builtins.int
+    BENCHED_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     step: _builtins.int
     total_steps: _builtins.int
@@ -619,6 +621,8 @@ class StatusReply(_message.Message):
     """nodes seen going offline (Last Will or goodbye)"""
     state_dir: _builtins.str
     """where the coordinator keeps checkpoints"""
+    reports: _builtins.int
+    """ReportPeer calls accepted"""
     @_builtins.property
     def counters(self) -> Global___SampleCounters: ...
     @_builtins.property
@@ -639,6 +643,10 @@ class StatusReply(_message.Message):
     def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___MoveRecord]:
         """every stage change the coordinator ordered"""
 
+    @_builtins.property
+    def benched(self) -> _containers.RepeatedCompositeFieldContainer[Global___BenchRecord]:
+        """every node taken out for sending poisoned tensors"""
+
     def __init__(
         self,
         *,
@@ -658,14 +666,128 @@ class StatusReply(_message.Message):
         departures: _builtins.int = ...,
         state_dir: _builtins.str = ...,
         moves: _abc.Iterable[Global___MoveRecord] | None = ...,
+        benched: _abc.Iterable[Global___BenchRecord] | None = ...,
+        reports: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "departures", b"departures", "done", b"done", "evals", b"evals", "final_states", b"final_states", "joins", b"joins", "link_choices", b"link_choices", "links", b"links", "moves", b"moves", "nodes", b"nodes", "phase", b"phase", "run_id", b"run_id", "state_dir", b"state_dir", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["benched", b"benched", "counters", b"counters", "departures", b"departures", "done", b"done", "evals", b"evals", "final_states", b"final_states", "joins", b"joins", "link_choices", b"link_choices", "links", b"links", "moves", b"moves", "nodes", b"nodes", "phase", b"phase", "reports", b"reports", "run_id", b"run_id", "state_dir", b"state_dir", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusReply: _TypeAlias = StatusReply  # noqa: Y015
+
+@_typing.final
+class ReportPeerRequest(_message.Message):
+    """A node reports a peer whose tensor failed the robust checks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ReportPeerRequest._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: ReportPeerRequest._Kind.ValueType  # 0
+        KIND_REDUCE: ReportPeerRequest._Kind.ValueType  # 1
+        """a replica's reduce contribution was dropped"""
+        KIND_DATA: ReportPeerRequest._Kind.ValueType  # 2
+        """an activation or gradient on the data plane was refused"""
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: ReportPeerRequest.Kind.ValueType  # 0
+    KIND_REDUCE: ReportPeerRequest.Kind.ValueType  # 1
+    """a replica's reduce contribution was dropped"""
+    KIND_DATA: ReportPeerRequest.Kind.ValueType  # 2
+    """an activation or gradient on the data plane was refused"""
+
+    REPORTER_FIELD_NUMBER: _builtins.int
+    SUSPECT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    reporter: _builtins.str
+    suspect: _builtins.str
+    step: _builtins.int
+    kind: Global___ReportPeerRequest.Kind.ValueType
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        reporter: _builtins.str = ...,
+        suspect: _builtins.str = ...,
+        step: _builtins.int = ...,
+        kind: Global___ReportPeerRequest.Kind.ValueType = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "reason", b"reason", "reporter", b"reporter", "step", b"step", "suspect", b"suspect"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportPeerRequest: _TypeAlias = ReportPeerRequest  # noqa: Y015
+
+@_typing.final
+class ReportPeerReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BENCHED_FIELD_NUMBER: _builtins.int
+    benched: _builtins.bool
+    """this report took the suspect out"""
+    def __init__(
+        self,
+        *,
+        benched: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["benched", b"benched"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportPeerReply: _TypeAlias = ReportPeerReply  # noqa: Y015
+
+@_typing.final
+class BenchRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    REPORTERS_FIELD_NUMBER: _builtins.int
+    ELAPSED_S_FIELD_NUMBER: _builtins.int
+    SECONDS_LEFT_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    stage: _builtins.int
+    reason: _builtins.str
+    step: _builtins.int
+    elapsed_s: _builtins.float
+    """seconds since the coordinator started"""
+    seconds_left: _builtins.float
+    """until it may join again"""
+    @_builtins.property
+    def reporters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        stage: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        step: _builtins.int = ...,
+        reporters: _abc.Iterable[_builtins.str] | None = ...,
+        elapsed_s: _builtins.float = ...,
+        seconds_left: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "node_id", b"node_id", "reason", b"reason", "reporters", b"reporters", "seconds_left", b"seconds_left", "stage", b"stage", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BenchRecord: _TypeAlias = BenchRecord  # noqa: Y015
 
 @_typing.final
 class MoveRecord(_message.Message):

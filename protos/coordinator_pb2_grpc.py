@@ -75,6 +75,11 @@ class CoordinatorStub:
                 request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.MoveRequest.SerializeToString,
                 response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.MoveReply.FromString,
                 _registered_method=True)
+        self.ReportPeer = channel.unary_unary(
+                '/swarmpipe.v1.Coordinator/ReportPeer',
+                request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.ReportPeerRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.ReportPeerReply.FromString,
+                _registered_method=True)
         self.SyncInfo = channel.unary_unary(
                 '/swarmpipe.v1.Coordinator/SyncInfo',
                 request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.SyncInfoRequest.SerializeToString,
@@ -148,6 +153,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportPeer(self, request, context):
+        """A node reports a peer whose tensors failed the robust checks; enough reports bench it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SyncInfo(self, request, context):
         """Joining a running stage: where to copy state from, then "I hold step N".
         """
@@ -217,6 +229,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Move,
                     request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.MoveRequest.FromString,
                     response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.MoveReply.SerializeToString,
+            ),
+            'ReportPeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPeer,
+                    request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.ReportPeerRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.ReportPeerReply.SerializeToString,
             ),
             'SyncInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.SyncInfo,
@@ -455,6 +472,33 @@ class Coordinator:
             '/swarmpipe.v1.Coordinator/Move',
             swarmpipe_dot_protos_dot_coordinator__pb2.MoveRequest.SerializeToString,
             swarmpipe_dot_protos_dot_coordinator__pb2.MoveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.v1.Coordinator/ReportPeer',
+            swarmpipe_dot_protos_dot_coordinator__pb2.ReportPeerRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_coordinator__pb2.ReportPeerReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,8 @@ class CoordinatorStub:
     Status: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusReply]
     Drain: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainReply]
     Move: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.MoveRequest, _coordinator_pb2.MoveReply]
+    ReportPeer: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportPeerRequest, _coordinator_pb2.ReportPeerReply]
+    """A node reports a peer whose tensors failed the robust checks; enough reports bench it."""
     SyncInfo: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SyncInfoRequest, _coordinator_pb2.SyncInfoReply]
     """Joining a running stage: where to copy state from, then "I hold step N"."""
     Ready: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReadyRequest, _coordinator_pb2.ReadyReply]
@@ -60,6 +62,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Status: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusReply]  # type: ignore[assignment]
     Drain: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainReply]  # type: ignore[assignment]
     Move: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.MoveRequest, _coordinator_pb2.MoveReply]  # type: ignore[assignment]
+    ReportPeer: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportPeerRequest, _coordinator_pb2.ReportPeerReply]  # type: ignore[assignment]
+    """A node reports a peer whose tensors failed the robust checks; enough reports bench it."""
     SyncInfo: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SyncInfoRequest, _coordinator_pb2.SyncInfoReply]  # type: ignore[assignment]
     """Joining a running stage: where to copy state from, then "I hold step N"."""
     Ready: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReadyRequest, _coordinator_pb2.ReadyReply]  # type: ignore[assignment]
@@ -125,6 +129,14 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.MoveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.MoveReply, _abc.Awaitable[_coordinator_pb2.MoveReply]]: ...
+
+    @_abc_1.abstractmethod
+    def ReportPeer(
+        self,
+        request: _coordinator_pb2.ReportPeerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReportPeerReply, _abc.Awaitable[_coordinator_pb2.ReportPeerReply]]:
+        """A node reports a peer whose tensors failed the robust checks; enough reports bench it."""
 
     @_abc_1.abstractmethod
     def SyncInfo(

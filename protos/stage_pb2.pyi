@@ -242,11 +242,20 @@ class ReduceManifest(_message.Message):
     SENDER_NODE_FIELD_NUMBER: _builtins.int
     RECEIVED_FIELD_NUMBER: _builtins.int
     PARAMETER_DELTA_FIELD_NUMBER: _builtins.int
+    DIGESTS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     sender_node: _builtins.str
     parameter_delta: _builtins.bool
     @_builtins.property
     def received(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """sha256 of each listed contribution (vector bytes, tokens, samples), in the
+        order of `received`: a replica adds a contribution only when every
+        manifest saw the same bytes, so a sender that tells replicas different
+        things is dropped by all of them alike.
+        """
+
     def __init__(
         self,
         *,
@@ -254,10 +263,11 @@ class ReduceManifest(_message.Message):
         sender_node: _builtins.str = ...,
         received: _abc.Iterable[_builtins.str] | None = ...,
         parameter_delta: _builtins.bool = ...,
+        digests: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["parameter_delta", b"parameter_delta", "received", b"received", "sender_node", b"sender_node", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digests", b"digests", "parameter_delta", b"parameter_delta", "received", b"received", "sender_node", b"sender_node", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

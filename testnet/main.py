@@ -297,6 +297,19 @@ class Testnet:
             }
             for m in status.moves
         ]
+        # Nodes the coordinator took out for poisoned tensors (node/robust_reduce.py).
+        report["reports"] = status.reports
+        report["benched"] = [
+            {
+                "node": b.node_id,
+                "stage": b.stage,
+                "reason": b.reason,
+                "step": b.step,
+                "reporters": list(b.reporters),
+                "elapsed_s": b.elapsed_s,
+            }
+            for b in status.benched
+        ]
         if self.scraper is not None:
             report["metrics"] = self.scraper.finish()
         # Each node's stage, online and serving flags as they changed, on the churn clock.

@@ -1,0 +1,107 @@
+"""Reports of poisoned tensors, and the nodes benched for them (no I/O, unit-tested).
+
+A node reports a peer whose reduce contribution the robust aggregate dropped
+(node/robust_reduce.py) or whose activation or gradient its data plane refused.
+Reporters are not authenticated yet (that is the identity part of issue 22), so
+one report is not enough to bench a replica on a reduce: every honest replica
+of the stage computes the same verdict, so the coordinator waits for a strict
+majority of the suspect's other replicas at that step. One hostile replica among
+three thus cannot bench an honest one, and two honest replicas bench a hostile
+third. A data-plane refusal has only one witness (the receiving node), so one
+report benches: a hostile node can bench its neighbours that way, a known limit
+until calls carry credentials.
+
+A benched node is drained (out of the plan; it stops) and its Join is refused
+until `bench_s` has passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+REDUCE = "reduce"
+DATA = "data"
+
+
+@dataclass(slots=True)
+class Benched:
+    node_id: str
+    stage: int
+    reason: str
+    step: int
+    reporters: tuple[str, ...]
+    at: float
+    until: float
+
+
+@dataclass(slots=True)
+class Suspects:
+    """Reports per (suspect, step, kind) and the benched nodes."""
+
+    bench_s: float
+    reports: dict[tuple[str, int, str], dict[str, str]] = field(default_factory=dict)
+    benched: dict[str, Benched] = field(default_factory=dict)
+    history: list[Benched] = field(default_factory=list)
+    accepted: int = 0
+
+    def report(
+        self,
+        *,
+        reporter: str,
+        suspect: str,
+        step: int,
+        kind: str,
+        reason: str,
+        stage: int,
+        stage_peers: set[str],
+        now: float,
+    ) -> Benched | None:
+        """Record one report; the new bench when it tips the suspect over the threshold.
+
+        `stage_peers` are the suspect's stage's other serving replicas (for a reduce report).
+        """
+        self.accepted += 1
+        key = (suspect, step, kind)
+        witnesses = self.reports.setdefault(key, {})
+        witnesses[reporter] = reason
+        # Keep a bounded history: only the latest steps' reports can still count.
+        for old in [k for k in self.reports if k[1] < step - 2]:
+            del self.reports[old]
+        if self.is_benched(suspect, now):
+            return None
+        if kind == REDUCE:
+            voters = set(witnesses) & stage_peers
+            if 2 * len(voters) <= len(stage_peers):
+                return None
+        entry = Benched(
+            node_id=suspect,
+            stage=stage,
+            reason=reason,
+            step=step,
+            reporters=tuple(sorted(witnesses)),
+            at=now,
+            until=now + self.bench_s,
+        )
+        if self.bench_s > 0:
+            self.benched[suspect] = entry
+        self.history.append(entry)
+        return entry
+
+    def is_benched(self, node_id: str, now: float) -> bool:
+        entry = self.benched.get(node_id)
+        if entry is None:
+            return False
+        if now >= entry.until:
+            del self.benched[node_id]
+            return False
+        return True
+
+    def refusal(self, node_id: str, now: float) -> str | None:
+        """Why `node_id` may not join now, or None."""
+        if not self.is_benched(node_id, now):
+            return None
+        entry = self.benched[node_id]
+        return (
+            f"node {node_id!r} is benched for {entry.until - now:.0f} s more: at step "
+            f"{entry.step} {', '.join(entry.reporters)} reported that {entry.reason}"
+        )

@@ -1,0 +1,193 @@
+"""Robust aggregation of the replicas' contributions: a poisoned one cannot move the others.
+
+Every replica of a stage runs `aggregate` on the same agreed contributions
+(replica_sync.py makes sure they are the same, byte for byte), so every one
+drops the same senders and takes the same step. Three screens, in order:
+
+1. Finite. A NaN or infinity anywhere drops the contribution.
+2. Counts. A contribution covering 0 tokens must be all zeros, and its token
+   count may be at most `norm_ratio` times the median of the others': the
+   divisor is the summed count, so an inflated count would let a sender
+   scale its weight in the mean without showing a large norm.
+3. Norm. Each contribution is normalised by its count (per token for
+   gradients, per sample for DiLoCo deltas) so that replicas that saw
+   different amounts of traffic compare fairly; its norm must be at most
+   `norm_ratio` times the median of the *other* replicas' normalised norms.
+   Comparing with the others, not with a median that includes itself, is what
+   makes the screen work with two replicas (a gradient sent 1000 times too
+   large is 1000 times its only peer's) while a single honest outlier among
+   three still passes.
+
+Then, with three or more contributions left, the aggregate is a centred clip
+(in the spirit of Karimireddy, He and Jaggi, "Learning from History for
+Byzantine Robust Optimization", 2021, as hivemind uses it): start from the
+coordinate-wise median of the normalised vectors and move, a fixed number of
+times, by the count-weighted mean of each vector's offset clipped to radius
+tau (`clip_radius` times the median offset). A contribution that passed the
+screens but points somewhere odd (noise of a plausible norm) so pulls at most
+tau. When nothing is clipped the first move lands exactly on the weighted
+mean, the plain average. With one or two contributions left the plain sum
+stays (a median of two is their mean: there is nothing to be robust with),
+so a lossless two-replica run still equals single-process training.
+
+Determinism. Replicas must agree bit for bit. Contributions are visited in
+node-id order; the decision scalars (norms, medians, tau, clip factors) are
+summed in float64 and rounded to float32 before use, and the vectors change
+only by elementwise operations, which do not depend on thread count. So equal
+inputs give equal outputs on one torch build and CPU family (tested); across
+CPU families a float64 sum could in principle land on the other side of a
+float32 rounding boundary, one chance in about 1e9 per scalar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Contribution = tuple[torch.Tensor, int, int]  # flat vector, tokens, samples
+Per = Literal["tokens", "samples"]
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """The agreed step's input and what the screens dropped."""
+
+    total: Contribution
+    """(flat sum, tokens, samples) over the accepted contributions; for the centred clip
+    the robust mean times the accepted count, so dividing by the count gives the mean."""
+    accepted: tuple[str, ...]
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Node id -> one line saying why its contribution was dropped."""
+    clipped: tuple[str, ...] = ()
+    """Senders whose offset the centred clip shortened in any of its iterations."""
+
+
+def _f32(x: float) -> float:
+    """Round a decision scalar to float32, so tiny float64 differences do not flip it."""
+    return float(torch.tensor(x, dtype=torch.float32).item())
+
+
+def _norm(v: torch.Tensor) -> float:
+    return _f32(float(torch.linalg.vector_norm(v.double()).item()))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else _f32((ordered[mid - 1] + ordered[mid]) / 2)
+
+
+def _count(c: Contribution, per: Per) -> int:
+    return c[1] if per == "tokens" else c[2]
+
+
+def screen(
+    contributions: Mapping[str, Contribution], *, per: Per, norm_ratio: float
+) -> dict[str, str]:
+    """Node id -> why its contribution fails the finite, count and norm screens."""
+    rejected: dict[str, str] = {}
+    unit = "token" if per == "tokens" else "sample"
+    norms: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for node in sorted(contributions):
+        c = contributions[node]
+        flat, count = c[0], _count(c, per)
+        if not bool(torch.isfinite(flat).all()):
+            rejected[node] = "its contribution contains NaN or infinite values"
+        elif count == 0:
+            if bool(flat.any()):
+                rejected[node] = f"a nonzero contribution over 0 {unit}s"
+            # An all-zero one adds nothing and has no per-{unit} norm to compare.
+        else:
+            counts[node] = count
+            norms[node] = _f32(_norm(flat) / count)
+    for node in sorted(norms):
+        others = [n for n in norms if n != node]
+        if not others:
+            continue
+        median_count = _median([float(counts[n]) for n in others])
+        if counts[node] > norm_ratio * median_count:
+            rejected[node] = (
+                f"it claims {counts[node]} {unit}s, over {norm_ratio:g}x the median of the "
+                f"other replicas' ({median_count:g})"
+            )
+            continue
+        median_norm = _median([norms[n] for n in others])
+        if median_norm > 0 and norms[node] > norm_ratio * median_norm:
+            rejected[node] = (
+                f"norm {norms[node]:.3g} per {unit} is {norms[node] / median_norm:.3g}x the "
+                f"median of the other replicas' ({median_norm:.3g}); the bound is "
+                f"{norm_ratio:g}x"
+            )
+    return rejected
+
+
+def plain_sum(contributions: Mapping[str, Contribution]) -> Contribution:
+    """The sum in node-id order: what every replica adds when there is nothing to clip."""
+    first = next(iter(contributions.values()))[0]
+    total = torch.zeros_like(first)
+    tokens = samples = 0
+    for node in sorted(contributions):
+        flat, t, s = contributions[node]
+        total += flat
+        tokens += t
+        samples += s
+    return total, tokens, samples
+
+
+def centred_clip(
+    contributions: Mapping[str, Contribution], *, per: Per, radius: float, iterations: int
+) -> tuple[Contribution, tuple[str, ...]]:
+    """The count-weighted centred clip of the normalised contributions, times the count.
+
+    Returns the contribution to apply and the senders whose offset was clipped in
+    any iteration.
+    """
+    nodes = [n for n in sorted(contributions) if _count(contributions[n], per) > 0]
+    tokens = sum(c[1] for c in contributions.values())
+    samples = sum(c[2] for c in contributions.values())
+    if not nodes:
+        return plain_sum(contributions), ()
+    weights = {n: float(_count(contributions[n], per)) for n in nodes}
+    total_weight = sum(weights.values())
+    units = {n: contributions[n][0] / weights[n] for n in nodes}  # per token (or sample)
+    # torch.median takes the lower of the two middle values: an input vector's own value.
+    centre = torch.stack([units[n] for n in nodes]).median(dim=0).values
+    tau = _f32(radius * _median([_norm(units[n] - centre) for n in nodes]))
+    clipped: set[str] = set()
+    for _ in range(iterations):
+        offsets = {n: units[n] - centre for n in nodes}
+        step = torch.zeros_like(centre)
+        for n in nodes:
+            distance = _norm(offsets[n])
+            factor = 1.0
+            if distance > tau:
+                factor = _f32(tau / distance)
+                clipped.add(n)
+            step.add_(offsets[n], alpha=_f32(weights[n] * factor / total_weight))
+        centre = centre + step
+    return (centre * total_weight, tokens, samples), tuple(sorted(clipped))
+
+
+def aggregate(
+    contributions: Mapping[str, Contribution],
+    *,
+    per: Per,
+    norm_ratio: float,
+    clip_radius: float,
+    clip_iterations: int,
+) -> Aggregate:
+    """Screen the contributions, drop the failures, and combine the rest (see the module)."""
+    rejected = screen(contributions, per=per, norm_ratio=norm_ratio)
+    kept = {n: contributions[n] for n in sorted(contributions) if n not in rejected}
+    if not kept:
+        first = next(iter(contributions.values()))[0]
+        return Aggregate(total=(torch.zeros_like(first), 0, 0), accepted=(), rejected=rejected)
+    if len(kept) < 3:
+        return Aggregate(total=plain_sum(kept), accepted=tuple(kept), rejected=rejected)
+    total, clipped = centred_clip(kept, per=per, radius=clip_radius, iterations=clip_iterations)
+    return Aggregate(total=total, accepted=tuple(kept), rejected=rejected, clipped=clipped)

@@ -1,0 +1,44 @@
+"""The coordinator's bench: a majority of a stage's other replicas, or one data-plane witness."""
+
+from __future__ import annotations
+
+from swarmpipe.coordinator.suspects import DATA, REDUCE, Suspects
+
+
+def _report(s: Suspects, reporter: str, suspect: str, peers: set[str], kind: str = REDUCE):  # type: ignore[no-untyped-def]
+    return s.report(
+        reporter=reporter,
+        suspect=suspect,
+        step=4,
+        kind=kind,
+        reason="norm too large",
+        stage=1,
+        stage_peers=peers,
+        now=100.0,
+    )
+
+
+def test_two_honest_replicas_bench_a_third_but_one_cannot_bench_an_honest_one() -> None:
+    s = Suspects(bench_s=60.0)
+    assert _report(s, "x", "a", {"b", "x"}) is None  # x alone against a: not a majority
+    assert _report(s, "a", "x", {"a", "b"}) is None
+    entry = _report(s, "b", "x", {"a", "b"})
+    assert entry is not None and entry.reporters == ("a", "b") and entry.until == 160.0
+    assert s.is_benched("x", 159.0) and not s.is_benched("a", 159.0)
+    refusal = s.refusal("x", 130.0)
+    assert (
+        refusal is not None and "benched for 30 s more" in refusal and "norm too large" in refusal
+    )
+    assert s.refusal("x", 160.0) is None  # the bench has run out
+    assert len(s.history) == 1 and s.accepted == 3
+
+
+def test_a_data_plane_refusal_benches_on_one_report() -> None:
+    s = Suspects(bench_s=60.0)
+    assert _report(s, "a", "y", set(), kind=DATA) is not None
+
+
+def test_bench_zero_reports_without_refusing() -> None:
+    s = Suspects(bench_s=0.0)
+    assert _report(s, "a", "y", {"a"}) is not None
+    assert s.refusal("y", 100.0) is None

@@ -1,0 +1,141 @@
+"""The robust aggregate: screens, centred clip, determinism, and the plain sum it keeps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from swarmpipe.node.robust_reduce import Contribution, aggregate, centred_clip, plain_sum, screen
+
+KW = {"norm_ratio": 10.0, "clip_radius": 1.0, "clip_iterations": 3}
+
+
+def _honest(seed: int, n: int = 1000, tokens: int = 64) -> Contribution:
+    """A gradient sum over `tokens` tokens: a shared direction plus per-replica noise."""
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.linspace(-1, 1, n)
+    per_token = direction + 0.5 * torch.randn(n, generator=g)
+    return per_token * tokens, tokens, tokens // 8
+
+
+def _three() -> dict[str, Contribution]:
+    return {"a": _honest(1), "b": _honest(2, tokens=32), "c": _honest(3, tokens=96)}
+
+
+def test_a_non_finite_contribution_is_dropped_and_named() -> None:
+    bad = _honest(4)[0].clone()
+    bad[7] = float("nan")
+    contributions = {**_three(), "d": (bad, 64, 8)}
+    result = aggregate(contributions, per="tokens", **KW)
+    assert set(result.rejected) == {"d"} and "NaN" in result.rejected["d"]
+    assert result.accepted == ("a", "b", "c")
+    inf = _honest(5)[0].clone()
+    inf[0] = float("inf")
+    assert (
+        "infinite" in screen({"a": _honest(1), "x": (inf, 64, 8)}, per="tokens", norm_ratio=10)["x"]
+    )
+
+
+def test_a_scaled_contribution_fails_the_median_bound_even_with_two_replicas() -> None:
+    honest = _honest(1)
+    scaled = (_honest(2)[0] * 1000, 64, 8)
+    two = aggregate({"a": honest, "x": scaled}, per="tokens", **KW)
+    assert set(two.rejected) == {"x"} and "the bound is 10x" in two.rejected["x"]
+    assert torch.equal(two.total[0], honest[0]) and two.total[1:] == (64, 8)
+    three = aggregate({**_three(), "x": scaled}, per="tokens", **KW)
+    assert set(three.rejected) == {"x"}
+    # The divisor loses the dropped sender's tokens.
+    assert three.total[1] == 64 + 32 + 96
+
+
+def test_norms_are_compared_per_token_so_uneven_traffic_passes() -> None:
+    # c saw 12x the tokens of b: its raw sum is about 12x larger, its per-token norm is not.
+    contributions = {
+        "a": _honest(1, tokens=64),
+        "b": _honest(2, tokens=8),
+        "c": _honest(3, tokens=96),
+    }
+    assert screen(contributions, per="tokens", norm_ratio=10) == {}
+
+
+def test_an_inflated_token_count_is_dropped() -> None:
+    flat, _, samples = _honest(4)
+    liar = (flat * 1000, 64_000, samples)  # normal per-token norm, 1000x the weight
+    rejected = screen({**_three(), "x": liar}, per="tokens", norm_ratio=10)
+    assert set(rejected) == {"x"} and "claims 64000 tokens" in rejected["x"]
+
+
+def test_a_nonzero_sum_over_no_tokens_is_dropped_and_an_idle_replica_is_not() -> None:
+    idle = (torch.zeros(1000), 0, 0)
+    forged = (torch.ones(1000), 0, 0)
+    rejected = screen({**_three(), "idle": idle, "x": forged}, per="tokens", norm_ratio=10)
+    assert set(rejected) == {"x"}
+
+
+def test_one_or_two_contributions_are_the_plain_sum_bit_for_bit() -> None:
+    a, b = _honest(1), _honest(2, tokens=32)
+    one = aggregate({"a": a}, per="tokens", **KW)
+    assert torch.equal(one.total[0], a[0]) and one.rejected == {}
+    two = aggregate({"b": b, "a": a}, per="tokens", **KW)
+    assert torch.equal(two.total[0], torch.zeros(1000) + a[0] + b[0])
+    assert two.total[1:] == (96, 12) and two.clipped == ()
+
+
+def test_the_centred_clip_of_close_contributions_is_their_weighted_mean() -> None:
+    contributions = _three()
+    (total, tokens, _), _ = centred_clip(contributions, per="tokens", radius=100.0, iterations=3)
+    plain, plain_tokens, _ = plain_sum(contributions)
+    assert tokens == plain_tokens
+    torch.testing.assert_close(total, plain, rtol=1e-5, atol=1e-3)
+
+
+def test_the_centred_clip_bounds_the_pull_of_noise_of_a_plausible_norm() -> None:
+    honest = _three()
+    flat, tokens, samples = _honest(9)
+    noise = torch.randn(1000, generator=torch.Generator().manual_seed(7))
+    noise = noise * (flat.norm() / noise.norm())
+    poisoned = {**honest, "x": (noise, tokens, samples)}
+    assert screen(poisoned, per="tokens", norm_ratio=10) == {}  # it passes the norm screen
+    result = aggregate(poisoned, per="tokens", **KW)
+    assert "x" in result.clipped
+    clean_mean = plain_sum(honest)[0] / plain_sum(honest)[1]
+    robust_mean = result.total[0] / result.total[1]
+    naive = plain_sum(poisoned)
+    naive_mean = naive[0] / naive[1]
+    assert (robust_mean - clean_mean).norm() < (naive_mean - clean_mean).norm()
+
+
+def test_the_aggregate_is_bit_identical_in_any_insertion_order_and_on_repeat() -> None:
+    contributions = {**_three(), "d": _honest(4), "x": (_honest(5)[0] * 1000, 64, 8)}
+    noise = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 300
+    contributions["y"] = (noise, 64, 8)
+    reference = aggregate(contributions, per="tokens", **KW)
+    names = list(contributions)
+    for seed in range(5):
+        random.Random(seed).shuffle(names)
+        shuffled = {n: (contributions[n][0].clone(), *contributions[n][1:]) for n in names}
+        result = aggregate(shuffled, per="tokens", **KW)
+        assert torch.equal(result.total[0], reference.total[0])
+        assert result.total[1:] == reference.total[1:]
+        assert result.rejected == reference.rejected and result.accepted == reference.accepted
+
+
+def test_diloco_deltas_are_compared_per_sample() -> None:
+    # A DiLoCo contribution is a delta scaled by its samples, with no tokens.
+    a = (torch.full((100,), 0.01) * 10, 0, 10)
+    b = (torch.full((100,), 0.012) * 40, 0, 40)
+    c = (torch.full((100,), 0.011) * 20, 0, 20)
+    x = (torch.full((100,), 5.0) * 10, 0, 10)
+    result = aggregate({"a": a, "b": b, "c": c, "x": x}, per="samples", **KW)
+    assert set(result.rejected) == {"x"} and "per sample" in result.rejected["x"]
+    assert result.total[2] == 70
+
+
+@pytest.mark.parametrize("bad_ratio", [0.5, 1.0])
+def test_config_refuses_a_ratio_that_is_not_above_one(bad_ratio: float) -> None:
+    from swarmpipe.config import ConfigError, RobustConfig
+
+    with pytest.raises(ConfigError, match="reduce_norm_ratio must be > 1"):
+        RobustConfig(reduce_norm_ratio=bad_ratio)
