@@ -9,17 +9,26 @@ the same norm, seeded by node and step). It holds and lists the same tampered
 vector as the others receive, so the defence under test is the screen and the
 clip, not the manifest's digest check. Unset (every real deployment), nothing
 changes.
+
+    SWARMPIPE_RECORD_REDUCE=DIR
+
+makes a node save each reduce's agreed contributions and verdict to
+DIR/<node>/step-<N>.pt, so a test can replay the run without the dropped
+sender and compare parameters.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 ENV = "SWARMPIPE_HOSTILE"
+RECORD_ENV = "SWARMPIPE_RECORD_REDUCE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +71,26 @@ def parse(text: str, node_id: str) -> Hostile | None:
 
 def from_env(node_id: str) -> Hostile | None:
     return parse(os.environ.get(ENV, ""), node_id)
+
+
+def record(
+    step: int,
+    node_id: str,
+    contributions: Mapping[str, tuple[torch.Tensor, int, int]],
+    *,
+    accepted: tuple[str, ...],
+    rejected: Mapping[str, str],
+) -> None:
+    """Save one reduce's inputs and verdict when a test asked for it (see the module)."""
+    folder = os.environ.get(RECORD_ENV)
+    if not folder:
+        return
+    path = Path(folder) / node_id / f"step-{step}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "step": step,
+        "contributions": {n: (c[0].clone(), c[1], c[2]) for n, c in contributions.items()},
+        "accepted": list(accepted),
+        "rejected": dict(rejected),
+    }
+    torch.save(payload, path)

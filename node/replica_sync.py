@@ -353,6 +353,13 @@ class ReplicaSync:
                 clip_iterations=robust.clip_iterations,
             ),
         )
+        hostile.record(
+            step,
+            self.ctx.node_id,
+            contributions,
+            accepted=result.accepted,
+            rejected=result.rejected,
+        )
         if self.ctx.node_id in result.rejected:
             # What a stateful codec kept back belongs to a vector nobody applied.
             self._encoder.reset()

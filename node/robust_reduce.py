@@ -18,17 +18,18 @@ drops the same senders and takes the same step. Three screens, in order:
    large is 1000 times its only peer's) while a single honest outlier among
    three still passes.
 
-Then, with three or more contributions left, the aggregate is a centred clip
-(in the spirit of Karimireddy, He and Jaggi, "Learning from History for
-Byzantine Robust Optimization", 2021, as hivemind uses it): start from the
-coordinate-wise median of the normalised vectors and move, a fixed number of
-times, by the count-weighted mean of each vector's offset clipped to radius
-tau (`clip_radius` times the median offset). A contribution that passed the
-screens but points somewhere odd (noise of a plausible norm) so pulls at most
-tau. When nothing is clipped the first move lands exactly on the weighted
-mean, the plain average. With one or two contributions left the plain sum
-stays (a median of two is their mean: there is nothing to be robust with),
-so a lossless two-replica run still equals single-process training.
+Then, with three or more contributions left (over at least one token each),
+the aggregate is a centred clip (in the spirit of Karimireddy, He and Jaggi,
+"Learning from History for Byzantine Robust Optimization", 2021, as hivemind
+uses it): start from the coordinate-wise median of the normalised vectors and
+move, a fixed number of times, by the count-weighted mean of each vector's
+offset clipped to radius tau (`clip_radius` times the median offset). A
+contribution that passed the screens but points somewhere odd (noise of a
+plausible norm) so pulls at most tau. When nothing is clipped the first move
+lands exactly on the weighted mean, the plain average. With one or two
+contributions left the plain sum stays (a median of two is their mean: there
+is nothing to be robust with), so a lossless two-replica run still equals
+single-process training.
 
 Determinism. Replicas must agree bit for bit. Contributions are visited in
 node-id order; the decision scalars (norms, medians, tau, clip factors) are
@@ -187,7 +188,8 @@ def aggregate(
     if not kept:
         first = next(iter(contributions.values()))[0]
         return Aggregate(total=(torch.zeros_like(first), 0, 0), accepted=(), rejected=rejected)
-    if len(kept) < 3:
+    # An idle replica's all-zero contribution (0 tokens) adds nothing: count the others.
+    if sum(1 for c in kept.values() if _count(c, per) > 0) < 3:
         return Aggregate(total=plain_sum(kept), accepted=tuple(kept), rejected=rejected)
     total, clipped = centred_clip(kept, per=per, radius=clip_radius, iterations=clip_iterations)
     return Aggregate(total=total, accepted=tuple(kept), rejected=rejected, clipped=clipped)

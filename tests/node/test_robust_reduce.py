@@ -139,3 +139,10 @@ def test_config_refuses_a_ratio_that_is_not_above_one(bad_ratio: float) -> None:
 
     with pytest.raises(ConfigError, match="reduce_norm_ratio must be > 1"):
         RobustConfig(reduce_norm_ratio=bad_ratio)
+
+
+def test_an_idle_replica_does_not_turn_two_contributions_into_a_clip() -> None:
+    a, b = _honest(1), _honest(2, tokens=32)
+    result = aggregate({"a": a, "b": b, "idle": (torch.zeros(1000), 0, 0)}, per="tokens", **KW)
+    assert result.accepted == ("a", "b", "idle") and result.clipped == ()
+    assert torch.equal(result.total[0], torch.zeros(1000) + a[0] + b[0])

@@ -1,0 +1,85 @@
+"""A real swarm with one hostile replica among three: it is dropped, benched and reported.
+
+"The same run without it" is defined exactly: the stage's initial parameters
+(built from the run's config and seed, as every node builds them) stepped with
+AdamW, at every step, on the plain sum, in node-id order, of the honest
+replicas' own gradient sums divided by their tokens: what a two-replica stage
+given the same microbatches computes. Each node records the contributions it
+agreed on (SWARMPIPE_RECORD_REDUCE), and the test replays the honest ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from swarmpipe.config import load_config
+from swarmpipe.node.robust_reduce import plain_sum
+from swarmpipe.node.stage_runtime import StageRuntime
+from swarmpipe.process.ready import poll_until
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+STEPS = 6
+
+
+def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_reported(
+    procs, tiny, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    settings = [*tiny, "pipeline.stages=1", f"train.steps={STEPS}", "coordinator.min_nodes=3"]
+    settings += ["checkpoint.every_steps=0", "pipeline.reduce_timeout_s=20"]
+    coordinator = procs.coordinator(*settings)
+    records = tmp_path / "records"
+    env = {"SWARMPIPE_RECORD_REDUCE": str(records), "SWARMPIPE_HOSTILE": "nx=scale:1000"}
+    for name in ("n0", "n1", "nx"):
+        procs.node(name, coordinator, env=env)
+    channel = grpc.insecure_channel(coordinator)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        final = poll_until(
+            lambda: (s := stub.Status(coordinator_pb2.StatusRequest(), timeout=5)).done and s,
+            240,
+            "the run to finish",
+        )
+    finally:
+        channel.close()
+
+    # The hostile node was benched on the honest replicas' two reports, and said why.
+    assert [b.node_id for b in final.benched] == ["nx"]
+    bench = final.benched[0]
+    assert list(bench.reporters) == ["n0", "n1"] and "the bound is 10x" in bench.reason
+    assert final.reports >= 2
+    coordinator_log = (tmp_path / "coordinator.log").read_text()
+    assert "node nx (stage 0) benched" in coordinator_log
+
+    # Every reduce the honest replicas took part in: the same agreed inputs, nx dropped.
+    steps = sorted(int(p.stem.split("-")[1]) for p in (records / "n0").glob("step-*.pt"))
+    assert steps == list(range(STEPS))
+    replay = StageRuntime(load_config(None, settings), 0)
+    dropped: list[int] = []
+    for step in steps:
+        r0 = torch.load(records / "n0" / f"step-{step}.pt")
+        r1 = torch.load(records / "n1" / f"step-{step}.pt")
+        assert r0["accepted"] == r1["accepted"] and r0["rejected"] == r1["rejected"]
+        assert set(r0["contributions"]) == set(r1["contributions"])
+        for node, (flat, tokens, samples) in r0["contributions"].items():
+            other = r1["contributions"][node]
+            assert torch.equal(flat, other[0]) and (tokens, samples) == other[1:]
+        if "nx" in r0["contributions"] and r0["contributions"]["nx"][1] > 0:
+            assert set(r0["rejected"]) == {"nx"}  # whenever nx had traffic, it was dropped
+            dropped.append(step)
+        else:  # nx had no traffic yet (its zero sum adds nothing), or it was gone
+            assert set(r0["rejected"]) == set()
+        honest = {n: r0["contributions"][n] for n in ("n0", "n1")}
+        replay.apply_step(step, plain_sum(honest))
+    assert dropped and dropped[0] == bench.step
+
+    # The honest replicas agree with each other and with the run without nx.
+    honest_nodes = {n.node_id: n for n in final.nodes if n.node_id in ("n0", "n1")}
+    digests = {n.param_digest for n in honest_nodes.values()}
+    assert all(n.last_step == STEPS - 1 for n in honest_nodes.values())
+    assert digests == {replay.parameter_digest()}
