@@ -49,6 +49,7 @@ from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.state_transfer import StateTransfer
+from swarmpipe.node.tensor_guard import PeerReporter, TensorGuard
 from swarmpipe.node.transport import EncodeOptions, LinkStats
 from swarmpipe.process.logs import set_log_identity
 from swarmpipe.process.metrics import MetricsServer, serve_metrics
@@ -172,6 +173,8 @@ class NodeDaemon:
             head=None,
         )
         self.servicer.attach(ctx, joined.replica_sync, joined.state_transfer)
+        # Absurd activations and gradients are refused and their senders reported.
+        self.router.guard = TensorGuard(config.robust, PeerReporter(self.node_id, self.coordinator))
         return joined
 
     # -- lifecycle ------------------------------------------------------

@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -35,6 +36,9 @@ from swarmpipe.node.peer_health import PeerHealth
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from swarmpipe.transport.rpc import open_channel
+
+if TYPE_CHECKING:  # tensor_guard imports node.context, which imports this module
+    from swarmpipe.node.tensor_guard import TensorGuard
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,9 @@ class Router:
         self._rng = random.Random(seed)
         self._closing: set[asyncio.Task[None]] = set()
         self.reroutes = 0
+        self.guard: TensorGuard | None = None
+        """Refuses absurd gradients coming back (and, in the servicer, activations coming in);
+        set once the node has joined and knows the run's `robust` settings."""
         """Microbatches resent after a failed or overdue hop (`send_rerouting`'s later tries)."""
         defaults = PipelineConfig()
         self.health = PeerHealth(
@@ -200,6 +207,8 @@ class Router:
                 elif kind == "result":
                     if reader is not None:
                         grad = await reader.finish()
+                        if self.guard is not None:
+                            self.guard.check("gradient", grad, sender=peer, step=header.step)
                     self.health.succeeded(stage, peer, time.monotonic() - started)
                     return HopResult(grad, message.result, peer)
             raise PeerError("the stream ended without a result")

@@ -235,6 +235,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if header.gradient_codec:
                 get_codec(header.gradient_codec)  # CodecError names an unknown codec
             runtime.check_activation(activation, header.sample_count)
+            if d.router.guard is not None:  # the node's one guard (node/tensor_guard.py)
+                sender = header.sender_node or header.origin_node
+                d.router.guard.check("activation", activation, sender=sender, step=header.step)
             labels, tokens = decode_labels_and_tokens(header, d.config.model.vocab)
             runtime.check_tokens(tokens)
         except (PeerError, CodecError) as exc:

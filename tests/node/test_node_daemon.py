@@ -20,7 +20,14 @@ import torch
 from swarmpipe.compression import encode_tensor, iter_chunks
 from swarmpipe.control.bus import parse_broker_url
 from swarmpipe.process.ready import poll_until
-from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from swarmpipe.protos import (
+    control_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    stage_pb2,
+    stage_pb2_grpc,
+    tensor_pb2,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -391,3 +398,34 @@ def test_a_stage_after_a_bottleneck_needs_well_formed_token_ids(procs, tiny) -> 
         assert replies[0].WhichOneof("kind") == "tensor"
         assert list(replies[0].tensor.shape) == [2, CONTEXT, k]
         assert replies[-1].result.tokens == 2 * CONTEXT
+
+
+@pytest.mark.slow
+def test_an_absurd_activation_is_invalid_argument_and_its_sender_benched(  # type: ignore[no-untyped-def]
+    last_stage, module_procs
+) -> None:
+    stub, _ = last_stage
+    step = stub.Info(stage_pb2.StageInfoRequest(), timeout=5).step
+    for _ in range(10):  # what the stage has seen: activations of the usual scale
+        _call(stub, _messages(step, torch.randn(2, CONTEXT, WIDTH)))
+    poisoned = _messages(step, torch.randn(2, CONTEXT, WIDTH) * 10_000)
+    poisoned[0].microbatch.sender_node = "n0"  # the run's (dead) head, a member it can bench
+    with pytest.raises(grpc.RpcError) as err:
+        _call(stub, poisoned)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "root-mean-square" in (err.value.details() or ""), err.value.details()
+    assert "the bound is 100x" in (err.value.details() or "")
+    ready = json.loads((module_procs.tmp / "coordinator.ready.json").read_text())
+    channel = grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}")
+    try:
+        coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+        def benched() -> list[str]:
+            status = coordinator.Status(coordinator_pb2.StatusRequest(), timeout=5)
+            return [b.node_id for b in status.benched]
+
+        assert poll_until(lambda: benched() or None, 30, "the report") == ["n0"]
+    finally:
+        channel.close()
+    # The stage still serves a well-formed microbatch.
+    assert _call(stub, _messages(step, torch.randn(2, CONTEXT, WIDTH)))[-1].result.tokens
