@@ -423,6 +423,11 @@ class RobustConfig:
     clip_iterations: int = 3
     """Rounds of the centred clip (the first already lands on the plain mean when nothing
     is clipped)."""
+    direction_sigmas: float = 3.0
+    """With three or more contributions, one whose cosine with every other one is within
+    this many standard deviations of a random vector's (|cosine| < this / sqrt(parameters))
+    is dropped: noise of a plausible norm. 0 turns the screen off (for noise-dominated
+    gradients, where honest cosines come near zero)."""
     data_norm_ratio: float = 100.0
     """A stage refuses (INVALID_ARGUMENT) an activation or gradient whose root-mean-square
     value exceeds this many times the median of the last `data_norm_window` it accepted
@@ -441,6 +446,8 @@ class RobustConfig:
             raise ConfigError("robust.clip_radius must be positive")
         if self.clip_iterations < 1:
             raise ConfigError("robust.clip_iterations must be >= 1")
+        if self.direction_sigmas < 0:
+            raise ConfigError("robust.direction_sigmas must be >= 0 (0 turns it off)")
         if self.data_norm_window < 8:
             raise ConfigError("robust.data_norm_window must be >= 8")
         if self.bench_s < 0:

@@ -351,6 +351,7 @@ class ReplicaSync:
                 norm_ratio=robust.reduce_norm_ratio,
                 clip_radius=robust.clip_radius,
                 clip_iterations=robust.clip_iterations,
+                direction_sigmas=robust.direction_sigmas,
             ),
         )
         hostile.record(

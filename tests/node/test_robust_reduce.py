@@ -111,12 +111,12 @@ def test_the_aggregate_is_bit_identical_in_any_insertion_order_and_on_repeat() -
     contributions = {**_three(), "d": _honest(4), "x": (_honest(5)[0] * 1000, 64, 8)}
     noise = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 300
     contributions["y"] = (noise, 64, 8)
-    reference = aggregate(contributions, per="tokens", **KW)
+    reference = aggregate(contributions, per="tokens", direction_sigmas=3.0, **KW)
     names = list(contributions)
     for seed in range(5):
         random.Random(seed).shuffle(names)
         shuffled = {n: (contributions[n][0].clone(), *contributions[n][1:]) for n in names}
-        result = aggregate(shuffled, per="tokens", **KW)
+        result = aggregate(shuffled, per="tokens", direction_sigmas=3.0, **KW)
         assert torch.equal(result.total[0], reference.total[0])
         assert result.total[1:] == reference.total[1:]
         assert result.rejected == reference.rejected and result.accepted == reference.accepted
@@ -146,3 +146,19 @@ def test_an_idle_replica_does_not_turn_two_contributions_into_a_clip() -> None:
     result = aggregate({"a": a, "b": b, "idle": (torch.zeros(1000), 0, 0)}, per="tokens", **KW)
     assert result.accepted == ("a", "b", "idle") and result.clipped == ()
     assert torch.equal(result.total[0], torch.zeros(1000) + a[0] + b[0])
+
+
+def test_noise_of_a_plausible_norm_fails_the_direction_screen_and_honest_ones_pass() -> None:
+    honest = _three()
+    flat, tokens, samples = _honest(9)
+    noise = torch.randn(1000, generator=torch.Generator().manual_seed(7))
+    noise = noise * (flat.norm() / noise.norm())
+    poisoned = {**honest, "x": (noise, tokens, samples)}
+    result = aggregate(poisoned, per="tokens", direction_sigmas=3.0, **KW)
+    assert set(result.rejected) == {"x"}
+    assert "as unrelated to every other replica" in result.rejected["x"]
+    assert aggregate(honest, per="tokens", direction_sigmas=3.0, **KW).rejected == {}
+    # A sign-flipped gradient is related to the others (negatively): left to the clip.
+    flipped = {**honest, "x": (-_honest(9)[0], tokens, samples)}
+    assert screen(flipped, per="tokens", norm_ratio=10, direction_sigmas=3.0) == {}
+    assert "x" in aggregate(flipped, per="tokens", direction_sigmas=3.0, **KW).clipped

@@ -48,17 +48,33 @@ async def test_a_scaled_contribution_is_dropped_by_every_replica_alike(
     assert "this replica's own contribution was dropped" in caplog.text  # x's own verdict
 
 
-async def test_noise_of_the_same_norm_is_clipped_identically_everywhere(
-    trio: tuple[Replica, Replica, Replica],
+async def test_noise_of_the_same_norm_is_dropped_by_every_replica_alike(
+    trio: tuple[Replica, Replica, Replica], caplog: pytest.LogCaptureFixture
 ) -> None:
     a, b, x = trio
-    a.train_on(1), b.train_on(2), x.train_on(3)
+    grad_a, grad_b = a.train_on(1), b.train_on(2)
+    x.train_on(3)
     x.replica_sync.hostile = Hostile("noise")
+    with caplog.at_level(logging.WARNING):
+        results = await asyncio.gather(*(r.replica_sync.reduce(0) for r in trio))
+    for total, accepted in results:
+        assert total is not None and accepted == 2
+        assert torch.equal(total[0], torch.zeros_like(grad_a) + grad_a + grad_b)
+    assert "dropped x's contribution: its direction is as unrelated" in caplog.text
+
+
+async def test_three_honest_replicas_take_the_same_centred_clip_step(
+    trio: tuple[Replica, Replica, Replica],
+) -> None:
+    grads = [r.train_on(seed) for r, seed in zip(trio, (1, 2, 3), strict=True)]
     results = await asyncio.gather(*(r.replica_sync.reduce(0) for r in trio))
     first = results[0][0]
     assert first is not None and results[0][1] == 3
     for total, _ in results[1:]:
         assert total is not None and torch.equal(total[0], first[0]) and total[1:] == first[1:]
+    plain = grads[0] + grads[1] + grads[2]
+    # Close to the plain sum (the clip shortens the farthest offsets a little), not equal.
+    assert float((first[0] - plain).norm()) < 0.5 * float(plain.norm())
 
 
 async def test_a_sender_telling_replicas_different_things_is_dropped_by_all(
