@@ -59,6 +59,7 @@ from swarmpipe.node.compute import BACKWARD
 from swarmpipe.node.context import StageContext
 from swarmpipe.node.links import Transfer
 from swarmpipe.node.robust_reduce import Aggregate, Per, aggregate
+from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.transport import EncodedTensor, TensorReader, encode
 from swarmpipe.protos import coordinator_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -69,6 +70,23 @@ MAX_MANIFEST_ENTRIES = 1024
 WAIT_SLICE_S = 0.1
 # A report is one small call; the step's StepDone waits behind it, so keep it short.
 REPORT_TIMEOUT_S = 5.0
+
+
+def gradient_momentum(runtime: StageRuntime) -> torch.Tensor | None:
+    """AdamW's first moment as one flat vector (equal on every replica), or None before it has
+    one. DiLoCo's inner moments are each replica's own, so it passes none."""
+    state = runtime.optimizer.state
+    parameters = list(runtime.module.parameters())
+    if not any("exp_avg" in state.get(p, {}) for p in parameters):
+        return None
+    return torch.cat(
+        [
+            (state[p]["exp_avg"] if "exp_avg" in state.get(p, {}) else torch.zeros_like(p))
+            .reshape(-1)
+            .float()
+            for p in parameters
+        ]
+    )
 
 
 def contribution_digest(c: Contribution) -> bytes:
@@ -339,7 +357,11 @@ class ReplicaSync:
         return {node: held[node] for node in sorted(agreed)}
 
     async def _combine(
-        self, step: int, contributions: dict[str, Contribution], per: Per
+        self,
+        step: int,
+        contributions: dict[str, Contribution],
+        per: Per,
+        reference: torch.Tensor | None = None,
     ) -> Aggregate:
         """The robust aggregate of the agreed contributions (the same on every replica)."""
         robust = self.ctx.config.robust
@@ -352,6 +374,7 @@ class ReplicaSync:
                 clip_radius=robust.clip_radius,
                 clip_iterations=robust.clip_iterations,
                 direction_sigmas=robust.direction_sigmas,
+                reference=reference,
             ),
         )
         hostile.record(
@@ -400,7 +423,8 @@ class ReplicaSync:
             return None, 1
         own = await d.compute.run(BACKWARD, runtime.local_gradient)
         agreed = await self.exchange(step, own, delta=False)
-        result = await self._combine(step, agreed, "tokens")
+        momentum = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime))
+        result = await self._combine(step, agreed, "tokens", momentum)
         return result.total, len(result.accepted)
 
     async def average_parameters(self, step: int) -> int:

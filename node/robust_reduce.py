@@ -22,7 +22,11 @@ drops the same senders and takes the same step. Three screens, in order:
    cosine with every other contribution is what a random vector's would be,
    within `direction_sigmas` / sqrt(n) of zero (n parameters). Each is
    compared with each other one, not with their sum, because a noise vector
-   in the sum would dilute an honest replica's relation to the others.
+   in the sum would dilute an honest replica's relation to the others. When
+   fewer than three replicas had traffic, the optimizer's first moment (AdamW's
+   exp_avg, bit-identical on every replica, carried by state transfer and
+   checkpoints) is a witness too: honest gradients relate to the recent ones,
+   noise does not; then even a lone contribution can be judged.
    Honest replicas' gradients are related to each other: cosines of 0.8-0.98
    between two replicas of the testnet's small model, against a bound of
    0.011; even gradients of random tokens on a random model, which share no
@@ -63,6 +67,7 @@ import torch
 
 Contribution = tuple[torch.Tensor, int, int]  # flat vector, tokens, samples
 Per = Literal["tokens", "samples"]
+MOMENTUM = "(momentum)"  # the reference vector's name among the direction screen's witnesses
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +116,13 @@ def screen(
     per: Per,
     norm_ratio: float,
     direction_sigmas: float = 0.0,
+    reference: torch.Tensor | None = None,
 ) -> dict[str, str]:
-    """Node id -> why its contribution fails the finite, count, norm and direction screens."""
+    """Node id -> why its contribution fails the finite, count, norm and direction screens.
+
+    `reference` is a vector every replica holds bit-identical (the optimizer's first moment):
+    a third witness for the direction screen when fewer than three replicas had traffic.
+    """
     rejected: dict[str, str] = {}
     unit = "token" if per == "tokens" else "sample"
     norms: dict[str, float] = {}
@@ -148,20 +158,28 @@ def screen(
                 f"{norm_ratio:g}x"
             )
     left = [n for n in sorted(norms) if n not in rejected and norms[n] > 0]
-    if direction_sigmas > 0 and len(left) >= 3:
+    if reference is not None and not bool(reference.any()):
+        reference = None  # no momentum yet (step 0): nothing to compare with
+    if direction_sigmas > 0 and (len(left) >= 3 or (reference is not None and left)):
         n_values = contributions[left[0]][0].numel()
         bound = _f32(direction_sigmas / n_values**0.5)
+        vectors = {n: contributions[n][0] for n in left}
+        witnesses = list(left)
+        if reference is not None:
+            vectors[MOMENTUM] = reference
+            witnesses.append(MOMENTUM)
         cosines = {
-            (a, b): _cosine(contributions[a][0], contributions[b][0])
-            for i, a in enumerate(left)
-            for b in left[i + 1 :]
+            (a, b): _cosine(vectors[a], vectors[b])
+            for i, a in enumerate(witnesses)
+            for b in witnesses[i + 1 :]
         }
         for node in left:
             closest = max(abs(c) for pair, c in cosines.items() if node in pair)
             if closest < bound:
                 rejected[node] = (
-                    f"its direction is as unrelated to every other replica's as a random "
-                    f"vector's (largest |cosine| {closest:.3g}; the bound is {bound:.3g})"
+                    f"its direction is as unrelated to every other replica's"
+                    f"{' and to the gradient momentum' if reference is not None else ''} as a "
+                    f"random vector's (largest |cosine| {closest:.3g}; the bound is {bound:.3g})"
                 )
     return rejected
 
@@ -221,10 +239,15 @@ def aggregate(
     clip_radius: float,
     clip_iterations: int,
     direction_sigmas: float = 0.0,
+    reference: torch.Tensor | None = None,
 ) -> Aggregate:
     """Screen the contributions, drop the failures, and combine the rest (see the module)."""
     rejected = screen(
-        contributions, per=per, norm_ratio=norm_ratio, direction_sigmas=direction_sigmas
+        contributions,
+        per=per,
+        norm_ratio=norm_ratio,
+        direction_sigmas=direction_sigmas,
+        reference=reference,
     )
     kept = {n: contributions[n] for n in sorted(contributions) if n not in rejected}
     if not kept:

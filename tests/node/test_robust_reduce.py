@@ -162,3 +162,21 @@ def test_noise_of_a_plausible_norm_fails_the_direction_screen_and_honest_ones_pa
     flipped = {**honest, "x": (-_honest(9)[0], tokens, samples)}
     assert screen(flipped, per="tokens", norm_ratio=10, direction_sigmas=3.0) == {}
     assert "x" in aggregate(flipped, per="tokens", direction_sigmas=3.0, **KW).clipped
+
+
+def test_the_gradient_momentum_is_a_witness_when_fewer_than_three_had_traffic() -> None:
+    momentum = torch.linspace(-1, 1, 1000)  # the shared direction of the recent gradients
+    honest, idle = _honest(1), (torch.zeros(1000), 0, 0)
+    flat, tokens, samples = _honest(2)
+    noise = torch.randn(1000, generator=torch.Generator().manual_seed(7))
+    noise = noise * (flat.norm() / noise.norm())
+    pair = {"a": honest, "idle": idle, "x": (noise, tokens, samples)}
+    kw = {"per": "tokens", "direction_sigmas": 3.0, **KW}
+    result = aggregate(pair, reference=momentum, **kw)  # type: ignore[arg-type]
+    assert set(result.rejected) == {"x"} and "gradient momentum" in result.rejected["x"]
+    assert torch.equal(result.total[0], torch.zeros(1000) + honest[0])
+    # Without a witness two contributions cannot be told apart: the plain sum stays.
+    assert aggregate(pair, **kw).rejected == {}  # type: ignore[arg-type]
+    # A zero momentum (step 0) is no witness; a lone honest gradient passes with one.
+    assert aggregate(pair, reference=torch.zeros(1000), **kw).rejected == {}  # type: ignore[arg-type]
+    assert aggregate({"a": honest}, reference=momentum, **kw).rejected == {}  # type: ignore[arg-type]
