@@ -174,7 +174,8 @@ class NodeDaemon:
         )
         self.servicer.attach(ctx, joined.replica_sync, joined.state_transfer)
         # Absurd activations and gradients are refused and their senders reported.
-        self.router.guard = TensorGuard(config.robust, PeerReporter(self.node_id, self.coordinator))
+        reporter = PeerReporter(self.node_id, self.coordinator.stub)
+        self.router.guard = TensorGuard(config.robust, reporter)
         return joined
 
     # -- lifecycle ------------------------------------------------------

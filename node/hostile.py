@@ -24,8 +24,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `bench hostile --help` stays light
+    import torch
 
 ENV = "SWARMPIPE_HOSTILE"
 RECORD_ENV = "SWARMPIPE_RECORD_REDUCE"
@@ -39,6 +41,8 @@ class Hostile:
     factor: float = 1.0
 
     def tamper(self, flat: torch.Tensor, *, node_id: str, step: int) -> torch.Tensor:
+        import torch
+
         if self.mode == "scale":
             return flat * self.factor
         seed = int.from_bytes(hashlib.sha256(f"{node_id}:{step}".encode()).digest()[:8], "little")
@@ -85,6 +89,8 @@ def record(
     folder = os.environ.get(RECORD_ENV)
     if not folder:
         return
+    import torch
+
     path = Path(folder) / node_id / f"step-{step}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {

@@ -24,7 +24,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -33,12 +32,10 @@ from swarmpipe.config import PipelineConfig
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.links import Links
 from swarmpipe.node.peer_health import PeerHealth
+from swarmpipe.node.tensor_guard import TensorGuard
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from swarmpipe.transport.rpc import open_channel
-
-if TYPE_CHECKING:  # tensor_guard imports node.context, which imports this module
-    from swarmpipe.node.tensor_guard import TensorGuard
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,7 @@ import torch
 
 from swarmpipe.config import RobustConfig
 from swarmpipe.errors import PeerError
-from swarmpipe.node.context import CoordinatorClient
-from swarmpipe.protos import coordinator_pb2
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class PoisonedTensor(PeerError):
 class PeerReporter:
     """Sends ReportPeer for a refused sender, in the background, one call per sender at once."""
 
-    def __init__(self, node_id: str, coordinator: CoordinatorClient) -> None:
+    def __init__(self, node_id: str, coordinator: coordinator_pb2_grpc.CoordinatorStub) -> None:
         self.node_id = node_id
         self.coordinator = coordinator
         self._pending: dict[str, asyncio.Task[None]] = {}
@@ -67,7 +66,7 @@ class PeerReporter:
 
     async def _send(self, request: coordinator_pb2.ReportPeerRequest) -> None:
         try:
-            await self.coordinator.stub.ReportPeer(request, timeout=REPORT_TIMEOUT_S)
+            await self.coordinator.ReportPeer(request, timeout=REPORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             logger.warning(
                 "could not report %s to the coordinator: %s", request.suspect, exc.details()
