@@ -29,7 +29,10 @@ Top-level keys of the object (a value is null where the swarm has not measured i
 - `final_states`: each stage's stored final state (`stage`, `step`, `path`) once the run
   saved;
 - `moves`: every stage change the coordinator ordered (`node`, `from_stage`, `to_stage`,
-  `step`, `reason`), oldest first.
+  `step`, `reason`), oldest first;
+- `benched`: every node taken out for poisoned tensors (`node`, `stage`, `step`,
+  `reporters`, `reason`, `seconds_left` until it may join again), and `reports`, the
+  reports of poisoned tensors the coordinator accepted.
 
 Status names no stage count, so `stages` runs from 0 to the highest stage a node has been
 given; a stage above every node's (early in a run) is not shown.
@@ -204,6 +207,18 @@ def status_view(status: coordinator_pb2.StatusReply) -> dict[str, Any]:
             }
             for m in status.moves
         ],
+        "reports": status.reports,
+        "benched": [
+            {
+                "node": b.node_id,
+                "stage": b.stage,
+                "step": b.step,
+                "reporters": list(b.reporters),
+                "reason": b.reason,
+                "seconds_left": b.seconds_left,
+            }
+            for b in status.benched
+        ],
     }
 
 
@@ -328,6 +343,14 @@ def status_table(view: dict[str, Any]) -> list[str]:
             f"  step {m['step']}: {m['node']} from stage {m['from_stage']} to {m['to_stage']}"
             f" ({m['reason']})"
             for m in view["moves"][-5:]
+        ]
+    if view["benched"]:
+        lines.append("")
+        lines.append("benched for poisoned tensors:")
+        lines += [
+            f"  step {b['step']}: {b['node']} (stage {b['stage']}), reported by "
+            f"{', '.join(b['reporters'])}: {b['reason']}"
+            for b in view["benched"][-5:]
         ]
     if view["final_states"]:
         lines.append("")

@@ -213,3 +213,31 @@ def test_moves_are_listed_in_the_view_and_the_table() -> None:
     text = "\n".join(status_table(view))
     assert "recent moves:\n  step 6: c from stage 0 to 1 (moved by the operator)" in text
     assert status_view(SWARM)["moves"] == []
+
+
+def test_benched_nodes_are_listed_in_the_view_and_the_table() -> None:
+    status = pb.StatusReply()
+    status.CopyFrom(SWARM)
+    status.reports = 2
+    status.benched.append(
+        pb.BenchRecord(
+            node_id="x", stage=1, reason="norm 900x", step=3, reporters=["a", "b"], seconds_left=60
+        )
+    )
+    view = status_view(status)
+    assert view["reports"] == 2
+    assert view["benched"] == [
+        {
+            "node": "x",
+            "stage": 1,
+            "step": 3,
+            "reporters": ["a", "b"],
+            "reason": "norm 900x",
+            "seconds_left": 60.0,
+        }
+    ]
+    text = "\n".join(status_table(view))
+    assert (
+        "benched for poisoned tensors:\n  step 3: x (stage 1), reported by a, b: norm 900x" in text
+    )
+    assert status_view(SWARM)["benched"] == []
