@@ -270,11 +270,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         if not request.address or ":" not in request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
-        if self.protocol.phase is Phase.DONE:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
         refusal = self.suspects.refusal(request.node_id, time.monotonic())
         if refusal is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        if self.protocol.phase is Phase.DONE:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
         # The joiner serves only once it holds its stage's current state (Ready).
         member = self.membership.assign(request.node_id, request.address)
         self.joins += 1

@@ -45,6 +45,21 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
             240,
             "the run to finish",
         )
+        # A benched node cannot come back under its name, and a stranger cannot report.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Join(coordinator_pb2.JoinRequest(node_id="nx", address="127.0.0.1:1"), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "is benched for" in (refused.value.details() or "")
+        with pytest.raises(grpc.RpcError) as stranger:
+            stub.ReportPeer(
+                coordinator_pb2.ReportPeerRequest(
+                    reporter="nobody",
+                    suspect="n0",
+                    kind=coordinator_pb2.ReportPeerRequest.KIND_REDUCE,
+                ),
+                timeout=5,
+            )
+        assert stranger.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         channel.close()
 
