@@ -109,3 +109,24 @@ def test_the_switch_names_its_node_and_refuses_nonsense() -> None:
     assert parse("", "n1") is None
     with pytest.raises(ValueError, match=r"\[NODE=\]scale:FACTOR"):
         parse("scale:lots", "n1")
+
+
+async def test_diloco_deltas_times_1000_are_dropped_and_the_others_stay_identical() -> None:
+    replicas = [Replica(n, ["pipeline.sync=diloco", "train.steps=4"]) for n in ("a", "b", "x")]
+    try:
+        for r in replicas:
+            await r.start()
+        plan = _plan({r.ctx.node_id: r.address for r in replicas})
+        for r in replicas:
+            r.ctx.router.set_plan(plan)
+        for r, seed in zip(replicas, (1, 2, 3), strict=True):
+            r.train_on(seed)
+            r.ctx.runtime.apply_step(0, None, advance=False)  # a local inner step
+        replicas[2].replica_sync.hostile = Hostile("scale", 1000.0)
+        counts = await asyncio.gather(*(r.replica_sync.average_parameters(0) for r in replicas))
+        assert counts == [2, 2, 2]
+        digests = {r.ctx.runtime.parameter_digest() for r in replicas}
+        assert len(digests) == 1  # x applied the same outer step: its delta was dropped there too
+    finally:
+        for r in replicas:
+            await r.close()
