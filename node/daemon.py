@@ -26,7 +26,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiomqtt
@@ -44,6 +44,7 @@ from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
 from swarmpipe.node.head import Head
 from swarmpipe.node.links import Links
 from swarmpipe.node.metrics import node_families
+from swarmpipe.node.peer_admission import PeerAdmission
 from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
@@ -54,6 +55,7 @@ from swarmpipe.process.logs import set_log_identity
 from swarmpipe.process.metrics import MetricsServer, serve_metrics
 from swarmpipe.process.ready import write_ready_file
 from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2
+from swarmpipe.transport.auth import CREDENTIAL_KEY, AuthInterceptor, CredentialHolder, Verifier
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.request_parsing import add_servicer
 from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection, open_channel
@@ -92,6 +94,8 @@ class NodeOptions:
     """Send limit per peer in Mbit/s overriding the run's pipeline.link_mbit; 0: unlimited."""
     metrics: tuple[str, int] | None = None
     """(host, port) of the Prometheus endpoint (port 0: any free one); None: no metrics."""
+    token: str = field(default="", repr=False)
+    """The join token the organiser gave (empty: an open loopback run needs none)."""
 
 
 def _route_host(target_host: str) -> str:
@@ -129,10 +133,16 @@ class NodeDaemon:
         self.links = Links()
         self.link_settings = LinkSettings(self.node_id)
         """The send limit from the start options and the run's LinkControl messages."""
-        self.router = Router(self.node_id, self.stats, self.links)
-        self._channel = open_channel(options.coordinator)
+        self.credential = CredentialHolder()
+        """What every call this node makes carries: its credential, once it joined."""
+        self.peer_admission = PeerAdmission(self.node_id)
+        """Who may call this node: nodes of the current plan (node/peer_admission.py)."""
+        self.revoked = False
+        """The organiser revoked this node's join token (node/main.py exits 4)."""
+        self.router = Router(self.node_id, self.stats, self.links, credential=self.credential)
+        self._channel = open_channel(options.coordinator, self.credential)
         self.coordinator = CoordinatorClient(self._channel, options.coordinator)
-        self.servicer = StageServicer(self.node_id, self.status)
+        self.servicer = StageServicer(self.node_id, self.status, self.peer_admission)
         self.joined: _Joined | None = None
         self._topics: Topics | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -179,7 +189,7 @@ class NodeDaemon:
     async def run(self) -> str:
         """Run until done, drained or stopped; returns why it stopped."""
         metrics = self._serve_metrics()
-        server = create_server()
+        server = create_server(AuthInterceptor(self.peer_admission.policy))
         add_servicer(server, self.servicer, stage_pb2.DESCRIPTOR.services_by_name["Stage"])
         await enable_health_and_reflection(
             server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name]
@@ -196,8 +206,12 @@ class NodeDaemon:
                     node_id=self.node_id, address=f"{host}:{port}", version=__version__
                 ),
                 timeout_s=self.options.join_timeout_s,
+                token=self.options.token,
             )
             joined_at = time.time()
+            self.credential.set(CREDENTIAL_KEY, reply.credential)
+            self.peer_admission.verifier = Verifier(reply.verify_key, reply.run_id)
+            self.peer_admission.stage = reply.stage
             config = RunConfig.from_json(reply.run_config_json)
             stage = reply.stage
             self.router.configure(config.pipeline)
@@ -233,6 +247,11 @@ class NodeDaemon:
                 # The coordinator's embedded broker listens beside it; reach it
                 # at the coordinator's host rather than our own loopback.
                 broker = parse_broker_url(f"mqtt://{coord_host}:{broker.port}")
+            if not broker.username and reply.broker_username:
+                # The login the coordinator derived for us (its broker's ACL names us).
+                broker = replace(
+                    broker, username=reply.broker_username, password=reply.broker_password
+                )
             self._ready_info = {
                 "grpc_port": port,
                 "metrics_port": metrics.port if metrics else None,
@@ -387,6 +406,7 @@ class NodeDaemon:
         config = old.ctx.config
         runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
         joined = self.joined = self._build(config, stage, runtime)
+        self.peer_admission.stage = stage
         self._applying.clear()  # step numbers of the old stage's applies
         await self._add_head(joined)
         set_log_identity(f"node {self.node_id} stage {stage}")
@@ -509,6 +529,11 @@ class NodeDaemon:
 
     def _on_plan(self, plan: control_pb2.Plan) -> None:
         self.router.set_plan(plan)
+        self.peer_admission.plan = self.router.plan
+        if self.node_id in plan.revoked:
+            self.revoked = True
+            self.stop("the organiser revoked this node's join token", failed=True)
+            return
         if self.node_id in plan.drained:
             self.stop("drained by the coordinator")
             return
