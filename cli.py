@@ -69,6 +69,10 @@ COMMANDS: dict[str, Subcommand] = {
         module="swarmpipe.coordinator.token_cli",
         help="create, list or revoke a run's join tokens (in the coordinator's --state-dir)",
     ),
+    "broker-config": Subcommand(
+        module="swarmpipe.coordinator.broker_config",
+        help="write a mosquitto passwd, acl and conf that enforce a run's MQTT rules",
+    ),
     "simulate": Subcommand(
         module="swarmpipe.coordinator.simulate",
         help="run placement and rebalancing over a synthetic swarm and print JSON",

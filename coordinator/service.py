@@ -249,6 +249,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _step_opened(self) -> None:
         """A step opened: joiners holding its state serve from now on, in the plan first."""
+        # Revocations are read at every step boundary too (not only each second), so a
+        # revoked node takes part in no step after the one its token was revoked in.
+        await self._apply_revocations()
         promoted = self.membership.promote(self.protocol.step)
         for m in promoted:
             logger.info(
@@ -706,19 +709,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Put the nodes of a token the organiser revoked out of the run: out of the plan
         (their leases requeued) and refused on every call from then on."""
         while True:
-            for node_id in self.admission.newly_revoked():
-                member = self.membership.members.get(node_id)
-                requeued = self.protocol.node_lost(node_id)
-                if member is not None:
-                    member.drained, member.serving = True, False
-                logger.warning(
-                    "node %s put out of the run: its join token was revoked; %d samples requeued",
-                    node_id,
-                    requeued,
-                )
-                await self._publish_plan()
-                await self._after_change()
+            await self._apply_revocations(after_change=True)
             await asyncio.sleep(interval_s)
+
+    async def _apply_revocations(self, *, after_change: bool = False) -> None:
+        revoked = self.admission.newly_revoked()
+        for node_id in revoked:
+            member = self.membership.members.get(node_id)
+            requeued = self.protocol.node_lost(node_id)
+            if member is not None:
+                member.drained, member.serving = True, False
+            logger.warning(
+                "node %s put out of the run: its join token was revoked; %d samples requeued",
+                node_id,
+                requeued,
+            )
+        if revoked:
+            await self._publish_plan()
+            if after_change:
+                await self._after_change()
 
     # -- MQTT -----------------------------------------------------------
 
