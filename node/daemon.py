@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiomqtt
+import grpc
 import torch
 from prometheus_client.core import Metric
 
@@ -68,6 +69,14 @@ STATUS_INTERVAL_S = 15.0
 # then twice as long each time (1, 2 and 4 s by default).
 BUS_ATTEMPTS = 4
 DRAIN_TIMEOUT_S = 30.0
+
+
+def _refused_as_revoked(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a call failed because this node's credential is no longer admitted (a peer
+    whose plan lags says PERMISSION_DENIED too, but not "revoked")."""
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return True
+    return exc.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in (exc.details() or "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -462,6 +471,12 @@ class NodeDaemon:
         if isinstance(exc, aiomqtt.MqttError):
             logger.error("lost the MQTT broker: %s", exc)
             self.stop(f"lost the MQTT broker: {exc}", failed=True)
+        elif isinstance(exc, grpc.aio.AioRpcError) and _refused_as_revoked(exc):
+            # The coordinator refused our credential (a revoked token) before the plan that
+            # says so reached us: the same way out, one line and exit 4.
+            logger.error("the coordinator no longer admits this node: %s", exc.details())
+            self.revoked = True
+            self.stop("the organiser revoked this node's join token", failed=True)
         else:
             logger.error("a node task failed: %r", exc, exc_info=exc)
             self.stop(f"internal error: {exc!r}", failed=True)
