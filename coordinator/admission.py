@@ -177,6 +177,10 @@ class Admission:
     def _refusal(self, claim: Claim) -> Refusal | None:
         if claim.role != ROLE_NODE:
             return denied(f"a {claim.role} credential cannot call the coordinator's node API")
+        if claim.token_id:
+            # Nodes that joined an earlier life of this coordinator (--resume) are known
+            # by their first call, so revoking their token finds them too.
+            self.node_tokens.setdefault(claim.node_id, claim.token_id)
         if claim.node_id in self.revoked_nodes:
             return denied(f"node {claim.node_id!r} was put out of the run: its token was revoked")
         if claim.token_id:

@@ -215,3 +215,16 @@ def test_a_coordinator_beyond_loopback_without_tokens_makes_one(tmp_path: Path) 
     assert (tmp_path / "join-token").stat().st_mode & 0o777 == 0o600
     assert admission.policy("/swarmpipe.v1.Coordinator/Join", ((JOIN_TOKEN_KEY, token),)) is None
     assert (tmp_path / "admin-token").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_resumed_coordinator_learns_a_nodes_token_from_its_first_call(tmp_path: Path) -> None:
+    first = Admission(tmp_path, "r1", loopback_only=True)
+    _, token = first.tokens.create(expires_s=None)
+    token_id = first.admit("n1", ((JOIN_TOKEN_KEY, token),))
+    credential = first.credential("n1", 0)
+    resumed = Admission(tmp_path, "r1", loopback_only=True)  # same state dir, same run key
+    lease = "/swarmpipe.v1.Coordinator/Lease"
+    assert resumed.policy(lease, ((CREDENTIAL_KEY, credential),)) is None
+    resumed.tokens.revoke(token_id)
+    resumed.tokens._mtime_ns = None
+    assert resumed.newly_revoked() == ["n1"]
