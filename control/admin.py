@@ -212,14 +212,22 @@ def add_admin_token_argument(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(ADMIN_TOKEN_ENV, ""),
         metavar="PATH",
         help="the organiser's token: <state-dir>/admin-token of the coordinator, needed when "
-        f"the run has join tokens (default: ${ADMIN_TOKEN_ENV})",
+        f"the run has join tokens (default: ${ADMIN_TOKEN_ENV}, else "
+        f"{DEFAULT_ADMIN_TOKEN_FILE} when it exists)",
     )
 
 
+DEFAULT_ADMIN_TOKEN_FILE = "swarmpipe-state/admin-token"
+"""Where a coordinator started here with its default --state-dir keeps it."""
+
+
 def read_admin_token(path: str) -> str:
-    """The organiser's token in `path` ("" for no path); ConfigError if unreadable."""
+    """The organiser's token in `path` (no path: the default state dir's, if there is one;
+    else ""); ConfigError if unreadable."""
     if not path:
-        return ""
+        if not os.path.exists(DEFAULT_ADMIN_TOKEN_FILE):
+            return ""
+        path = DEFAULT_ADMIN_TOKEN_FILE
     try:
         token = open(path).read().strip()
     except OSError as exc:
