@@ -40,6 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", help="fuzz this running server (127.0.0.1:PORT) instead of starting two"
     )
+    parser.add_argument(
+        "--state-dir",
+        help="with --target: the run's coordinator state dir, to sign a credential that gets "
+        "the fuzz past admission (without one, every call but health is UNAUTHENTICATED)",
+    )
+    parser.add_argument(
+        "--target-kind",
+        choices=("coordinator", "node"),
+        default="node",
+        help="with --target and --state-dir: which kind of server it is (default: node)",
+    )
     add_config_arguments(parser, with_file=False)
     parser.add_argument("--out", help="write the JSON here too")
 
@@ -194,7 +205,12 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.target:
         check_target(args.target)
-        servers = {"target": asyncio.run(fuzz_process(args.target, **_budget(args)))}
+        metadata = (
+            fuzz_credentials(Path(args.state_dir))[args.target_kind] if args.state_dir else ()
+        )
+        servers = {
+            "target": asyncio.run(fuzz_process(args.target, metadata=metadata, **_budget(args)))
+        }
     else:
         servers = asyncio.run(_fuzz_started(args))
     result = {
