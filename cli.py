@@ -13,13 +13,15 @@ import inspect
 import sys
 from collections.abc import Sequence
 
-from swarmpipe.errors import ConfigError, CoordinatorUnavailable, SwarmpipeError
+from swarmpipe.errors import ConfigError, CoordinatorUnavailable, NotAdmitted, SwarmpipeError
 from swarmpipe.process.logs import LOG_FORMATS
 from swarmpipe.process.subcommands import Subcommand, add_subcommands
 
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
 EXIT_COORDINATOR_UNREACHABLE = 3
+EXIT_NOT_ADMITTED = 4
+"""A node refused by the run: no valid join token, or its token was revoked."""
 
 
 COMMANDS: dict[str, Subcommand] = {
@@ -63,6 +65,14 @@ COMMANDS: dict[str, Subcommand] = {
         attribute="MoveCommand",
         help="send a node to another stage (an operator's override)",
     ),
+    "token": Subcommand(
+        module="swarmpipe.coordinator.token_cli",
+        help="create, list or revoke a run's join tokens (in the coordinator's --state-dir)",
+    ),
+    "broker-config": Subcommand(
+        module="swarmpipe.coordinator.broker_config",
+        help="write a mosquitto passwd, acl and conf that enforce a run's MQTT rules",
+    ),
     "simulate": Subcommand(
         module="swarmpipe.coordinator.simulate",
         help="run placement and rebalancing over a synthetic swarm and print JSON",
@@ -102,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CoordinatorUnavailable as exc:
         print(f"swarmpipe {args.command}: {exc}", file=sys.stderr)
         return EXIT_COORDINATOR_UNREACHABLE
+    except NotAdmitted as exc:
+        print(f"swarmpipe {args.command}: not admitted: {exc}", file=sys.stderr)
+        return EXIT_NOT_ADMITTED
     except SwarmpipeError as exc:
         print(f"swarmpipe {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

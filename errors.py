@@ -23,6 +23,10 @@ class CoordinatorUnavailable(SwarmpipeError):
     """The coordinator did not answer within the deadline."""
 
 
+class NotAdmitted(SwarmpipeError):
+    """The run refused this node: no valid join token, or the organiser revoked it."""
+
+
 class DataError(SwarmpipeError):
     """The training corpus cannot be read or is too small for the run."""
 

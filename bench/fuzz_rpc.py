@@ -40,6 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", help="fuzz this running server (127.0.0.1:PORT) instead of starting two"
     )
+    parser.add_argument(
+        "--state-dir",
+        help="with --target: the run's coordinator state dir, to sign a credential that gets "
+        "the fuzz past admission (without one, every call but health is UNAUTHENTICATED)",
+    )
+    parser.add_argument(
+        "--target-kind",
+        choices=("coordinator", "node"),
+        default="node",
+        help="with --target and --state-dir: which kind of server it is (default: node)",
+    )
     add_config_arguments(parser, with_file=False)
     parser.add_argument("--out", help="write the JSON here too")
 
@@ -107,6 +118,28 @@ async def fuzz_process(
     return report
 
 
+def fuzz_credentials(state_dir: Path) -> dict[str, tuple[tuple[str, str], ...]]:
+    """Metadata that the servers of the run in `state_dir` admit, signed with its run key:
+    a node credential for the coordinator (whose node API takes nodes only), a coordinator
+    credential for a node (whose Stage server takes only the plan's nodes and the
+    coordinator's), both with the organiser's token for Status, Drain and Move."""
+    from swarmpipe.transport.auth import (
+        ADMIN_TOKEN_KEY,
+        CREDENTIAL_KEY,
+        ROLE_COORDINATOR,
+        ROLE_NODE,
+        RunKey,
+    )
+
+    (run_id,) = [p.name for p in (state_dir / "checkpoints").iterdir()]
+    key = RunKey.load_or_create(state_dir, run_id)
+    admin = (ADMIN_TOKEN_KEY, (state_dir / "admin-token").read_text().strip())
+    return {
+        "coordinator": ((CREDENTIAL_KEY, key.issue("fuzzer", role=ROLE_NODE)), admin),
+        "node": ((CREDENTIAL_KEY, key.issue("fuzzer", role=ROLE_COORDINATOR)), admin),
+    }
+
+
 def _budget(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "inputs": args.inputs,
@@ -144,17 +177,20 @@ async def _fuzz_started(args: argparse.Namespace) -> dict[str, Any]:
                 return info if info and info.get("serving") else None
 
             info = poll_until(serving, START_TIMEOUT_S, "n0 to serve")
+            metadata = fuzz_credentials(Path(tmp) / "state")
             return {
                 "coordinator": await fuzz_process(
                     coord_target,
                     pid=coordinator.popen.pid,
                     log_path=coordinator.log_path,
+                    metadata=metadata["coordinator"],
                     **_budget(args),
                 ),
                 "node": await fuzz_process(
                     f"127.0.0.1:{info['grpc_port']}",
                     pid=int(info["pid"]),
                     log_path=node.log_path,
+                    metadata=metadata["node"],
                     **_budget(args),
                 ),
             }
@@ -169,7 +205,12 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.target:
         check_target(args.target)
-        servers = {"target": asyncio.run(fuzz_process(args.target, **_budget(args)))}
+        metadata = (
+            fuzz_credentials(Path(args.state_dir))[args.target_kind] if args.state_dir else ()
+        )
+        servers = {
+            "target": asyncio.run(fuzz_process(args.target, metadata=metadata, **_budget(args)))
+        }
     else:
         servers = asyncio.run(_fuzz_started(args))
     result = {

@@ -28,6 +28,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from swarmpipe.bench.fuzz_inputs import FuzzInput, fuzz_inputs
 from swarmpipe.errors import ConfigError
+from swarmpipe.transport.auth import CredentialHolder
+from swarmpipe.transport.rpc import open_channel
 
 HANG_SLACK_S = 5.0
 MAX_RESPONSES = 1000
@@ -245,12 +247,17 @@ async def fuzz_server(
     deadline_s: float = 2.0,
     in_flight: int = 8,
     max_seconds: float = 600.0,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, MethodResult]:
     """Fuzz every method of every service `target` lists, one method at a time; returns each
-    method's result by its path."""
+    method's result by its path. `metadata` rides on every call: a credential the server
+    admits, so the fuzz reaches its parsers rather than stopping at UNAUTHENTICATED."""
     check_target(target)
     stop_at = time.monotonic() + max_seconds
-    async with grpc.aio.insecure_channel(target) as channel:
+    holder = CredentialHolder()
+    for key, value in metadata:
+        holder.set(key, value)
+    async with open_channel(target, holder) as channel:
         results = {}
         for method in await list_methods(channel):
             result = await fuzz_method(

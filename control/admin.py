@@ -18,6 +18,10 @@ A drained node is taken out of the plan at once: the samples it has leased go ba
 queue (counted as replayed) and the node leaves, exiting 0. The run goes on if its stage
 has another replica, else it waits for a node to join that stage.
 
+In a closed run (one with join tokens) these are the organiser's calls: give
+`--admin-token-file <state-dir>/admin-token`, the file the coordinator writes on first start
+(or set SWARMPIPE_ADMIN_TOKEN_FILE). An open loopback run needs none.
+
 Exit codes: 0 done; 1 the coordinator refused (`drain` of a node it does not know); 2 bad
 arguments; 3 the coordinator cannot be reached (before a watch drew anything).
 """
@@ -47,6 +51,7 @@ CALL_TIMEOUT_S = 10.0
 coordinator that has not answered in this long is stuck or unreachable."""
 
 DEFAULT_WATCH_S = 2.0
+ADMIN_TOKEN_ENV = "SWARMPIPE_ADMIN_TOKEN_FILE"
 
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
@@ -62,13 +67,15 @@ def check_address(address: str) -> str:
 class CoordinatorConnection:
     """One channel to the coordinator's API, with its failures turned into our errors."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, admin_token: str = "") -> None:
         import grpc
 
         from swarmpipe.protos import coordinator_pb2_grpc
+        from swarmpipe.transport.auth import ADMIN_TOKEN_KEY
         from swarmpipe.transport.rpc import CHANNEL_OPTIONS
 
         self.address = check_address(address)
+        self._metadata = ((ADMIN_TOKEN_KEY, admin_token),) if admin_token else None
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub: coordinator_pb2_grpc.CoordinatorStub = coordinator_pb2_grpc.CoordinatorStub(
             self._channel
@@ -96,7 +103,7 @@ class CoordinatorConnection:
 
         try:
             reply: coordinator_pb2.StatusReply = self._stub.Status(
-                coordinator_pb2.StatusRequest(), timeout=CALL_TIMEOUT_S
+                coordinator_pb2.StatusRequest(), timeout=CALL_TIMEOUT_S, metadata=self._metadata
             )
         except grpc.RpcError as exc:
             raise self._failed("Status", exc) from None
@@ -111,7 +118,9 @@ class CoordinatorConnection:
 
         try:
             reply = self._stub.Move(
-                coordinator_pb2.MoveRequest(node_id=node_id, stage=stage), timeout=CALL_TIMEOUT_S
+                coordinator_pb2.MoveRequest(node_id=node_id, stage=stage),
+                timeout=CALL_TIMEOUT_S,
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -126,7 +135,11 @@ class CoordinatorConnection:
         from swarmpipe.protos import coordinator_pb2
 
         try:
-            self._stub.Drain(coordinator_pb2.DrainRequest(node_id=node_id), timeout=CALL_TIMEOUT_S)
+            self._stub.Drain(
+                coordinator_pb2.DrainRequest(node_id=node_id),
+                timeout=CALL_TIMEOUT_S,
+                metadata=self._metadata,
+            )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return False
@@ -193,6 +206,37 @@ def _watch_seconds(text: str) -> float:
     return seconds
 
 
+def add_admin_token_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--admin-token-file",
+        default=os.environ.get(ADMIN_TOKEN_ENV, ""),
+        metavar="PATH",
+        help="the organiser's token: <state-dir>/admin-token of the coordinator, needed when "
+        f"the run has join tokens (default: ${ADMIN_TOKEN_ENV}, else "
+        f"{DEFAULT_ADMIN_TOKEN_FILE} when it exists)",
+    )
+
+
+DEFAULT_ADMIN_TOKEN_FILE = "swarmpipe-state/admin-token"
+"""Where a coordinator started here with its default --state-dir keeps it."""
+
+
+def read_admin_token(path: str) -> str:
+    """The organiser's token in `path` (no path: the default state dir's, if there is one;
+    else ""); ConfigError if unreadable."""
+    if not path:
+        if not os.path.exists(DEFAULT_ADMIN_TOKEN_FILE):
+            return ""
+        path = DEFAULT_ADMIN_TOKEN_FILE
+    try:
+        token = open(path).read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--admin-token-file {path}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"--admin-token-file {path} is empty")
+    return token
+
+
 def _add_coordinator(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--coordinator",
@@ -200,6 +244,11 @@ def _add_coordinator(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help=f"the coordinator's gRPC API (default {DEFAULT_COORDINATOR})",
     )
+    add_admin_token_argument(parser)
+
+
+def _connect(args: argparse.Namespace) -> CoordinatorConnection:
+    return CoordinatorConnection(args.coordinator, read_admin_token(args.admin_token_file))
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,7 +277,7 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_status(args: argparse.Namespace) -> int:
-    connection = CoordinatorConnection(args.coordinator)
+    connection = _connect(args)
     try:
         return show_status(connection, as_json=args.json, watch=args.watch, out=sys.stdout)
     except KeyboardInterrupt:
@@ -252,7 +301,7 @@ def add_drain_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_drain(args: argparse.Namespace) -> int:
-    connection = CoordinatorConnection(args.coordinator)
+    connection = _connect(args)
     try:
         before = connection.status()
         if not connection.drain(args.node):
@@ -284,7 +333,7 @@ def add_move_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_move(args: argparse.Namespace) -> int:
     if args.stage < 0:
         raise ConfigError(f"STAGE {args.stage}: stages are numbered from 0")
-    connection = CoordinatorConnection(args.coordinator)
+    connection = _connect(args)
     try:
         before = connection.move(args.node, args.stage)
     finally:

@@ -11,6 +11,10 @@ setting (and clears it from the broker), so the node goes back to the limit it s
 wins over all's, whichever came last, so that both kinds of message may be retained at
 once and still mean one thing to a node that joins and gets them in any order.
 
+In a closed run only the organiser may publish link limits: give `--admin-token-file
+<state-dir>/admin-token` (the broker login `organiser` with that token as its password).
+A user the broker's ACL does not allow cannot change anyone's limit.
+
 In auto codec mode the nodes' codec choice follows: the meter sees the new speed in the
 transfers themselves. Exit codes: 0 once the broker took the message, 1 when the broker
 cannot be reached, 2 for bad arguments.
@@ -19,6 +23,7 @@ cannot be reached, 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -26,7 +31,9 @@ import re
 import aiomqtt
 from google.protobuf.message import DecodeError
 
+from swarmpipe.control.admin import add_admin_token_argument, read_admin_token
 from swarmpipe.control.bus import BrokerAddress, Topics, make_client, parse_broker_url
+from swarmpipe.control.mqtt_acl import ORGANISER_USER
 from swarmpipe.errors import ConfigError, PeerError, SwarmpipeError
 from swarmpipe.protos import control_pb2
 from swarmpipe.transport.limits import MBIT, check_limit
@@ -140,6 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker", required=True, help="mqtt://host:port of the run's broker")
     parser.add_argument("--run", required=True, help="the run's id (run_id in its config)")
     parser.add_argument("--node", required=True, help=f"the node to limit, or {ALL!r}")
+    add_admin_token_argument(parser)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--mbit", type=float, help="limit its sends to each peer to this many Mbit/s (0: none)"
@@ -151,8 +159,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def organiser_login(broker: BrokerAddress, admin_token: str) -> BrokerAddress:
+    """`broker` with the organiser's login, unless its URL names a user already."""
+    if not admin_token or broker.username:
+        return broker
+    return dataclasses.replace(broker, username=ORGANISER_USER, password=admin_token)
+
+
 async def serve(args: argparse.Namespace) -> int:
-    broker = parse_broker_url(args.broker)
+    broker = organiser_login(parse_broker_url(args.broker), read_admin_token(args.admin_token_file))
     if not args.run or any(c in args.run for c in "/#+ "):
         raise ConfigError(f"--run {args.run!r} must be a run id without '/', '#', '+'")
     limit = None

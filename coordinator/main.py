@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -71,7 +72,9 @@ async def serve(args: argparse.Namespace) -> int:
     # Imported here, not above: grpc, the broker and the MQTT client take a while to
     # import, which `swarmpipe coordinator --help` must not wait for (process/subcommands.py).
     from swarmpipe.control.bus import BrokerAddress, parse_broker_url
+    from swarmpipe.control.mqtt_acl import COORDINATOR_USER
     from swarmpipe.coordinator import run_state
+    from swarmpipe.coordinator.admission import Admission, is_loopback
     from swarmpipe.coordinator.broker import EmbeddedBroker
     from swarmpipe.coordinator.metrics import coordinator_families
     from swarmpipe.coordinator.service import CoordinatorService
@@ -79,6 +82,7 @@ async def serve(args: argparse.Namespace) -> int:
     from swarmpipe.process.metrics import MetricsServer, serve_metrics
     from swarmpipe.process.ready import write_ready_file
     from swarmpipe.protos import coordinator_pb2
+    from swarmpipe.transport.auth import AuthInterceptor
     from swarmpipe.transport.request_parsing import add_servicer
     from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
@@ -98,14 +102,29 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         config = load_config(args.config, args.set)
         run_state.start(state_dir, config)
+    hosts = [_split_hostport(args.listen)[0]]
+    if not args.broker:
+        hosts.append(_split_hostport(args.broker_listen)[0])
+    admission = Admission(
+        state_dir, config.run_id, loopback_only=all(is_loopback(h) for h in hosts)
+    )
     embedded: EmbeddedBroker | None = None
     if args.broker:
         broker: BrokerAddress = parse_broker_url(args.broker)
     else:
-        embedded = EmbeddedBroker(*_split_hostport(args.broker_listen))
+        auth = admission.broker_auth()
+        embedded = EmbeddedBroker(*_split_hostport(args.broker_listen), auth=auth)
         broker = await embedded.start()
-    service = CoordinatorService(config, broker, state_dir, resume_at=resume_at)
-    server = create_server()
+        if auth is not None:
+            broker = dataclasses.replace(
+                broker,
+                username=COORDINATOR_USER,
+                password=admission.key.mqtt_password(COORDINATOR_USER),
+            )
+    service = CoordinatorService(
+        config, broker, state_dir, resume_at=resume_at, admission=admission
+    )
+    server = create_server(AuthInterceptor(admission.policy))
     add_servicer(server, service, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
     await enable_health_and_reflection(
         server, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
@@ -124,6 +143,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(service.watch_mqtt())
+    revocations = asyncio.create_task(service.watch_tokens())
     try:
         await server.start()
         logger.info(
@@ -157,6 +177,7 @@ async def serve(args: argparse.Namespace) -> int:
             print("\n".join(summary_lines(service.status())), flush=True)
         logger.info("stopping")
     finally:
+        revocations.cancel()
         watch.cancel()
         # Its exception, if any, was raised above; the server must stop all the same.
         await asyncio.gather(watch, return_exceptions=True)

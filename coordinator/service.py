@@ -27,9 +27,12 @@ import grpc
 
 from swarmpipe.config import RunConfig, codec_enum, codec_name
 from swarmpipe.control.bus import BrokerAddress, BrokerAuthError, Topics, make_client
+from swarmpipe.control.mqtt_acl import RESERVED_USERS
+from swarmpipe.coordinator.admission import Admission
 from swarmpipe.coordinator.membership import Member, Membership, MoveOrder
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.coordinator.suspects import DATA, REDUCE, Suspects
+from swarmpipe.coordinator.tokens import TokenError
 from swarmpipe.errors import PeerError, SwarmpipeError
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
 from swarmpipe.storage.checkpoints import CheckpointStore, CheckpointWriter, state_messages
@@ -64,9 +67,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         state_dir: str | Path = "swarmpipe-state",
         *,
         resume_at: int = 0,
+        admission: Admission | None = None,
     ) -> None:
         self.config = config
         self.state_dir = Path(state_dir)
+        self.admission = admission or Admission(self.state_dir, config.run_id, loopback_only=True)
+        """Join tokens, credentials, the organiser's token (coordinator/admission.py)."""
         self.checkpoints = CheckpointStore(
             self.state_dir / "checkpoints", config.run_id, keep=config.checkpoint.keep
         )
@@ -115,6 +121,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def _publish_plan(self) -> None:
         self._plan_published_at = time.monotonic()
         plan = self.membership.plan()
+        plan.revoked.extend(sorted(self.admission.revoked_nodes))
         await self._publish(self.topics.plan, plan.SerializeToString())
 
     async def _publish_step(self) -> None:
@@ -244,6 +251,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _step_opened(self) -> None:
         """A step opened: joiners holding its state serve from now on, in the plan first."""
+        # Revocations are read at every step boundary too (not only each second), so a
+        # revoked node takes part in no step after the one its token was revoked in.
+        await self._apply_revocations()
         promoted = self.membership.promote(self.protocol.step)
         for m in promoted:
             logger.info(
@@ -268,6 +278,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"node_id must be 1-{MAX_NODE_ID_LEN} characters without '/'",
             )
+        if request.node_id in RESERVED_USERS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"node_id {request.node_id!r} is reserved"
+            )
         if not request.address or ":" not in request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address must be host:port")
         refusal = self.suspects.refusal(request.node_id, time.monotonic())
@@ -275,14 +289,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         if self.protocol.phase is Phase.DONE:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has finished")
+        try:
+            token_id = self.admission.admit(request.node_id, context.invocation_metadata())
+        except TokenError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            raise  # unreachable: abort raises
         # The joiner serves only once it holds its stage's current state (Ready).
         member = self.membership.assign(request.node_id, request.address)
         self.joins += 1
         logger.info(
-            "node %s (%s, version %s) joined: stage %d, %d replica(s) serving it",
+            "node %s (%s, version %s, token %s) joined: stage %d, %d replica(s) serving it",
             request.node_id,
             request.address,
             request.version or "?",
+            token_id or "-",
             member.stage,
             len(self.membership.replicas(member.stage)),
         )
@@ -291,11 +311,26 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_config_json=self.config.to_json(),
             stage=member.stage,
             broker_url=self.broker.url,
+            credential=self.admission.credential(request.node_id, member.stage),
+            verify_key=self.admission.key.public_bytes,
+            broker_username=request.node_id,
+            broker_password=self.admission.key.mqtt_password(request.node_id),
         )
+
+    async def _check_caller(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a call whose request names another node than its credential does
+        (AuthInterceptor already checked the credential itself)."""
+        caller = self.admission.caller(context.invocation_metadata())
+        if caller != node_id:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the request names node {node_id!r} but the credential is {caller!r}'s",
+            )
 
     async def Lease(
         self, request: coordinator_pb2.LeaseRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.LeaseReply:
+        await self._check_caller(request.node_id, context)
         member = self.membership.members.get(request.node_id)
         if member is None or member.stage != 0:
             await context.abort(
@@ -331,6 +366,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Commit(
         self, request: coordinator_pb2.CommitRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.CommitReply:
+        await self._check_caller(request.node_id, context)
         before = (self.protocol.phase, self.protocol.step)
         reason = self.protocol.commit(
             request.node_id, request.lease_id, request.loss_sum, request.tokens
@@ -344,6 +380,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Release(
         self, request: coordinator_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ReleaseReply:
+        await self._check_caller(request.node_id, context)
         if self.protocol.release(request.node_id, request.lease_id):
             logger.info(
                 "lease %d released by %s: %s", request.lease_id, request.node_id, request.reason
@@ -354,6 +391,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def StepDone(
         self, request: coordinator_pb2.StepDoneRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.StepDoneReply:
+        await self._check_caller(request.node_id, context)
         member = self.membership.members.get(request.node_id)
         if member is not None and member.serving and request.param_digest:
             member.last_step, member.param_digest = request.step, request.param_digest
@@ -429,6 +467,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             coordinator_pb2.ReportPeerRequest.KIND_REDUCE: REDUCE,
             coordinator_pb2.ReportPeerRequest.KIND_DATA: DATA,
         }
+        await self._check_caller(request.reporter, context)
         reporter = self.membership.members.get(request.reporter)
         suspect = self.membership.members.get(request.suspect)
         if reporter is None or not reporter.serving or reporter.drained:
@@ -487,6 +526,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def SyncInfo(
         self, request: coordinator_pb2.SyncInfoRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.SyncInfoReply:
+        await self._check_caller(request.node_id, context)
         member = await self._syncing_member(request.node_id, context)
         p = self.protocol
         return coordinator_pb2.SyncInfoReply(
@@ -503,6 +543,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Ready(
         self, request: coordinator_pb2.ReadyRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ReadyReply:
+        await self._check_caller(request.node_id, context)
         member = await self._syncing_member(request.node_id, context)
         Reply = coordinator_pb2.ReadyReply
         deadline = time.monotonic() + min(max(request.wait_seconds, 0.0), MAX_READY_WAIT_S)
@@ -609,6 +650,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetCheckpoint(
         self, request: coordinator_pb2.GetCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[state_pb2.StateMessage]:
+        await self._check_caller(request.node_id, context)
         member = await self._syncing_member(request.node_id, context)
         if request.stage != member.stage:
             await context.abort(
@@ -730,6 +772,32 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for estimate in t.link_estimates if t else ():
                 reply.link_choices.append(_link_choice_record(m.node_id, estimate))
         return reply
+
+    # -- revoked tokens ---------------------------------------------------
+
+    async def watch_tokens(self, interval_s: float = 1.0) -> None:
+        """Put the nodes of a token the organiser revoked out of the run: out of the plan
+        (their leases requeued) and refused on every call from then on."""
+        while True:
+            await self._apply_revocations(after_change=True)
+            await asyncio.sleep(interval_s)
+
+    async def _apply_revocations(self, *, after_change: bool = False) -> None:
+        revoked = self.admission.newly_revoked()
+        for node_id in revoked:
+            member = self.membership.members.get(node_id)
+            requeued = self.protocol.node_lost(node_id)
+            if member is not None:
+                member.drained, member.serving = True, False
+            logger.warning(
+                "node %s put out of the run: its join token was revoked; %d samples requeued",
+                node_id,
+                requeued,
+            )
+        if revoked:
+            await self._publish_plan()
+            if after_change:
+                await self._after_change()
 
     # -- MQTT -----------------------------------------------------------
 

@@ -30,13 +30,14 @@ from typing import Any
 import grpc
 
 from swarmpipe.config import RunConfig, codec_enum
-from swarmpipe.errors import CoordinatorUnavailable
+from swarmpipe.errors import CoordinatorUnavailable, NotAdmitted
 from swarmpipe.node.compute import ComputeWorker
 from swarmpipe.node.links import Links
 from swarmpipe.node.router import Router
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.transport import LinkStats
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.transport.auth import JOIN_TOKEN_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +153,12 @@ class CoordinatorClient:
                 delay = min(delay * 2, 2.0)
 
     async def join(
-        self, request: coordinator_pb2.JoinRequest, *, timeout_s: float
+        self, request: coordinator_pb2.JoinRequest, *, timeout_s: float, token: str = ""
     ) -> coordinator_pb2.JoinReply:
-        """Join the run, waiting up to `timeout_s` for a coordinator that is not up yet."""
+        """Join the run with the organiser's join `token`, waiting up to `timeout_s` for a
+        coordinator that is not up yet; NotAdmitted when it refuses the token."""
+        # Only Join carries the token: the credential it returns is what later calls carry.
+        metadata = ((JOIN_TOKEN_KEY, token),) if token else None
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
@@ -163,9 +167,14 @@ class CoordinatorClient:
                     request,
                     timeout=max(0.5, min(5.0, deadline - time.monotonic())),
                     wait_for_ready=True,
+                    metadata=metadata,
                 )
                 return reply
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise NotAdmitted(
+                        f"the coordinator at {self.address} refused this node: {exc.details()}"
+                    ) from exc
                 if exc.code() not in _RETRIED:
                     raise CoordinatorUnavailable(
                         f"the coordinator at {self.address} refused to let this node "

@@ -26,10 +26,11 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiomqtt
+import grpc
 import torch
 from prometheus_client.core import Metric
 
@@ -44,6 +45,7 @@ from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
 from swarmpipe.node.head import Head
 from swarmpipe.node.links import Links
 from swarmpipe.node.metrics import node_families
+from swarmpipe.node.peer_admission import PeerAdmission
 from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import Router
 from swarmpipe.node.server import StageServicer
@@ -55,6 +57,7 @@ from swarmpipe.process.logs import set_log_identity
 from swarmpipe.process.metrics import MetricsServer, serve_metrics
 from swarmpipe.process.ready import write_ready_file
 from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2
+from swarmpipe.transport.auth import CREDENTIAL_KEY, AuthInterceptor, CredentialHolder, Verifier
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.request_parsing import add_servicer
 from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection, open_channel
@@ -67,6 +70,14 @@ STATUS_INTERVAL_S = 15.0
 # then twice as long each time (1, 2 and 4 s by default).
 BUS_ATTEMPTS = 4
 DRAIN_TIMEOUT_S = 30.0
+
+
+def _refused_as_revoked(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a call failed because this node's credential is no longer admitted (a peer
+    whose plan lags says PERMISSION_DENIED too, but not "revoked")."""
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return True
+    return exc.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in (exc.details() or "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,6 +104,8 @@ class NodeOptions:
     """Send limit per peer in Mbit/s overriding the run's pipeline.link_mbit; 0: unlimited."""
     metrics: tuple[str, int] | None = None
     """(host, port) of the Prometheus endpoint (port 0: any free one); None: no metrics."""
+    token: str = field(default="", repr=False)
+    """The join token the organiser gave (empty: an open loopback run needs none)."""
 
 
 def _route_host(target_host: str) -> str:
@@ -130,10 +143,16 @@ class NodeDaemon:
         self.links = Links()
         self.link_settings = LinkSettings(self.node_id)
         """The send limit from the start options and the run's LinkControl messages."""
-        self.router = Router(self.node_id, self.stats, self.links)
-        self._channel = open_channel(options.coordinator)
+        self.credential = CredentialHolder()
+        """What every call this node makes carries: its credential, once it joined."""
+        self.peer_admission = PeerAdmission(self.node_id)
+        """Who may call this node: nodes of the current plan (node/peer_admission.py)."""
+        self.revoked = False
+        """The organiser revoked this node's join token (node/main.py exits 4)."""
+        self.router = Router(self.node_id, self.stats, self.links, credential=self.credential)
+        self._channel = open_channel(options.coordinator, self.credential)
         self.coordinator = CoordinatorClient(self._channel, options.coordinator)
-        self.servicer = StageServicer(self.node_id, self.status)
+        self.servicer = StageServicer(self.node_id, self.status, self.peer_admission)
         self.joined: _Joined | None = None
         self._topics: Topics | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -183,7 +202,7 @@ class NodeDaemon:
     async def run(self) -> str:
         """Run until done, drained or stopped; returns why it stopped."""
         metrics = self._serve_metrics()
-        server = create_server()
+        server = create_server(AuthInterceptor(self.peer_admission.policy))
         add_servicer(server, self.servicer, stage_pb2.DESCRIPTOR.services_by_name["Stage"])
         await enable_health_and_reflection(
             server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name]
@@ -200,8 +219,12 @@ class NodeDaemon:
                     node_id=self.node_id, address=f"{host}:{port}", version=__version__
                 ),
                 timeout_s=self.options.join_timeout_s,
+                token=self.options.token,
             )
             joined_at = time.time()
+            self.credential.set(CREDENTIAL_KEY, reply.credential)
+            self.peer_admission.verifier = Verifier(reply.verify_key, reply.run_id)
+            self.peer_admission.stage = reply.stage
             config = RunConfig.from_json(reply.run_config_json)
             stage = reply.stage
             self.router.configure(config.pipeline)
@@ -237,6 +260,11 @@ class NodeDaemon:
                 # The coordinator's embedded broker listens beside it; reach it
                 # at the coordinator's host rather than our own loopback.
                 broker = parse_broker_url(f"mqtt://{coord_host}:{broker.port}")
+            if not broker.username and reply.broker_username:
+                # The login the coordinator derived for us (its broker's ACL names us).
+                broker = replace(
+                    broker, username=reply.broker_username, password=reply.broker_password
+                )
             self._ready_info = {
                 "grpc_port": port,
                 "metrics_port": metrics.port if metrics else None,
@@ -391,6 +419,7 @@ class NodeDaemon:
         config = old.ctx.config
         runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
         joined = self.joined = self._build(config, stage, runtime)
+        self.peer_admission.stage = stage
         self._applying.clear()  # step numbers of the old stage's applies
         await self._add_head(joined)
         set_log_identity(f"node {self.node_id} stage {stage}")
@@ -446,6 +475,12 @@ class NodeDaemon:
         if isinstance(exc, aiomqtt.MqttError):
             logger.error("lost the MQTT broker: %s", exc)
             self.stop(f"lost the MQTT broker: {exc}", failed=True)
+        elif isinstance(exc, grpc.aio.AioRpcError) and _refused_as_revoked(exc):
+            # The coordinator refused our credential (a revoked token) before the plan that
+            # says so reached us: the same way out, one line and exit 4.
+            logger.error("the coordinator no longer admits this node: %s", exc.details())
+            self.revoked = True
+            self.stop("the organiser revoked this node's join token", failed=True)
         else:
             logger.error("a node task failed: %r", exc, exc_info=exc)
             self.stop(f"internal error: {exc!r}", failed=True)
@@ -513,6 +548,11 @@ class NodeDaemon:
 
     def _on_plan(self, plan: control_pb2.Plan) -> None:
         self.router.set_plan(plan)
+        self.peer_admission.plan = self.router.plan
+        if self.node_id in plan.revoked:
+            self.revoked = True
+            self.stop("the organiser revoked this node's join token", failed=True)
+            return
         if self.node_id in plan.drained:
             self.stop("drained by the coordinator")
             return

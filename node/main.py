@@ -2,16 +2,23 @@
 
 Exit codes: 0 when the run finished, the node was drained, or it got
 SIGTERM/SIGINT; 2 for bad arguments or config; 3 when the coordinator cannot
-be reached; 1 for anything unexpected.
+be reached; 4 when the run does not admit the node (no valid join token) or the
+organiser revoked its token; 1 for anything unexpected.
+
+The join token comes from `--token-file PATH`, else `$SWARMPIPE_TOKEN`, else `--token`
+(which any user of the machine can read in `ps`, hence the warning).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
+from pathlib import Path
 
-from swarmpipe.errors import ConfigError
+from swarmpipe.errors import ConfigError, NotAdmitted
 from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
 from swarmpipe.transport.limits import MBIT, check_limit
 
@@ -51,7 +58,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="limit what this node sends to each peer to this many Mbit/s (0: unlimited); "
         "overrides the run's pipeline.link_mbit",
     )
+    parser.add_argument(
+        "--token-file",
+        default="",
+        metavar="PATH",
+        help="file holding the run's join token (`swarmpipe token create`); or set SWARMPIPE_TOKEN",
+    )
+    parser.add_argument(
+        "--token", default="", help="the join token itself (visible in `ps`: prefer --token-file)"
+    )
     add_metrics_arguments(parser)
+
+
+TOKEN_ENV = "SWARMPIPE_TOKEN"
+
+
+def join_token(args: argparse.Namespace) -> str:
+    """The join token from --token-file, $SWARMPIPE_TOKEN or --token, in that order."""
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--token-file {args.token_file}: {exc.strerror}") from None
+        if not token:
+            raise ConfigError(f"--token-file {args.token_file} is empty")
+        return token
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    if args.token:
+        logging.getLogger(__name__).warning(
+            "--token shows the join token to every user of this machine (ps); "
+            "prefer --token-file or %s",
+            TOKEN_ENV,
+        )
+    return str(args.token).strip()
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -70,6 +110,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--broker-retry {args.broker_retry:g}: give 0 < seconds <= 600")
     if args.node_id == ALL:
         raise ConfigError(f"--node-id {ALL!r} is reserved: it addresses every node of a run")
+    token = join_token(args)
     set_torch_threads(args.threads)
     options = NodeOptions(
         coordinator=args.coordinator,
@@ -83,6 +124,7 @@ async def serve(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         link_mbit=args.link_mbit,
         metrics=metrics,
+        token=token,
     )
     # Until it knows its stage (daemon.py adds it at Join), a node's lines carry its id.
     set_log_identity(f"node {options.node_id}", node=options.node_id)
@@ -91,4 +133,6 @@ async def serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGTERM, daemon.stop, "SIGTERM")
     loop.add_signal_handler(signal.SIGINT, daemon.stop, "SIGINT")
     await daemon.run()
+    if daemon.revoked:
+        raise NotAdmitted("the organiser revoked this node's join token; it left the run")
     return 1 if daemon.failed else 0

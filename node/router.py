@@ -35,6 +35,7 @@ from swarmpipe.node.peer_health import PeerHealth
 from swarmpipe.node.tensor_guard import TensorGuard
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from swarmpipe.transport.auth import CredentialHolder
 from swarmpipe.transport.rpc import open_channel
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,17 @@ class Router:
     """Holds channels to peers and the latest plan; sends microbatches downstream."""
 
     def __init__(
-        self, node_id: str, stats: LinkStats, links: Links, *, seed: int | None = None
+        self,
+        node_id: str,
+        stats: LinkStats,
+        links: Links,
+        *,
+        seed: int | None = None,
+        credential: CredentialHolder | None = None,
     ) -> None:
         self.node_id = node_id
+        self.credential = credential
+        """What every call to a peer carries (the node's credential, once it joined)."""
         self.stats = stats
         self.links = links
         self.plan: control_pb2.Plan | None = None
@@ -141,7 +150,7 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = open_channel(address)
+            channel = open_channel(address, self.credential)
             self._channels[address] = channel
         return channel
 

@@ -24,6 +24,7 @@ from swarmpipe.compression import get_codec
 from swarmpipe.errors import CodecError, PeerError
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.context import NodeStatus, StageContext
+from swarmpipe.node.peer_admission import PeerAdmission
 from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import HopError, HopResult
 from swarmpipe.node.state_transfer import StateTransfer
@@ -90,9 +91,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     empty and answers UNAVAILABLE until the daemon `attach`es the stage it joined as.
     """
 
-    def __init__(self, node_id: str, status: NodeStatus) -> None:
+    def __init__(
+        self, node_id: str, status: NodeStatus, admission: PeerAdmission | None = None
+    ) -> None:
         self.node_id = node_id
         self.status = status
+        self.admission = admission
+        """Who the caller is (its credential); None: a server without admission (tests)."""
         self._ctx: StageContext | None = None
         self._replica_sync: ReplicaSync | None = None
         self._state_transfer: StateTransfer | None = None
@@ -139,11 +144,33 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if not self.status.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         try:
-            return await replica_sync.receive(request_iterator)
+            return await replica_sync.receive(self._sent_by_caller(request_iterator, context))
         except (PeerError, CodecError) as exc:
             BAD_REQUESTS.record(REDUCE, context.peer(), f"a gradient for the reduce: {exc}")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
+
+    async def _sent_by_caller(
+        self,
+        messages: AsyncIterator[stage_pb2.ReduceMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[stage_pb2.ReduceMessage]:
+        """`messages`, refusing any whose sender is not the node the credential names: a
+        replica in the plan cannot hand in a contribution under another replica's name."""
+        caller = self._caller(context)
+        async for message in messages:
+            kind = message.WhichOneof("kind")
+            named = message.header.sender_node if kind == "header" else None
+            if kind == "manifest":
+                named = message.manifest.sender_node
+            if caller is not None and named is not None and named != caller:
+                raise PeerError(f"the reduce names sender {named!r} but the caller is {caller!r}")
+            yield message
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> str | None:
+        if self.admission is None:
+            return None
+        return self.admission.caller(context.invocation_metadata())
 
     async def _send_downstream(
         self,
@@ -224,6 +251,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         try:
             header, activation = await read_forward_request(request_iterator, d.stats)
+            caller = self._caller(context)
+            if caller is not None and header.sender_node and header.sender_node != caller:
+                raise PeerError(
+                    f"the microbatch names sender {header.sender_node!r}, not {caller!r}"
+                )
             if header.hop != d.stage:
                 raise PeerError(f"microbatch is for stage {header.hop}; this node serves {d.stage}")
             if not 1 <= header.sample_count <= MAX_SAMPLES_PER_MICROBATCH:

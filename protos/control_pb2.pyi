@@ -116,6 +116,7 @@ class Plan(_message.Message):
     ACTIVATION_CODEC_FIELD_NUMBER: _builtins.int
     GRADIENT_CODEC_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
+    REVOKED_FIELD_NUMBER: _builtins.int
     MOVES_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     num_stages: _builtins.int
@@ -130,6 +131,12 @@ class Plan(_message.Message):
         """nodes the organiser drained: they must exit"""
 
     @_builtins.property
+    def revoked(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Nodes whose join token the organiser revoked: out of the run, they exit (and every
+        node refuses their calls, since they are in no stage's replicas).
+        """
+
+    @_builtins.property
     def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___Move]:
         """nodes the coordinator moved to another stage, not serving yet"""
 
@@ -142,11 +149,12 @@ class Plan(_message.Message):
         activation_codec: _tensor_pb2.Codec.ValueType = ...,
         gradient_codec: _tensor_pb2.Codec.ValueType = ...,
         drained: _abc.Iterable[_builtins.str] | None = ...,
+        revoked: _abc.Iterable[_builtins.str] | None = ...,
         moves: _abc.Iterable[Global___Move] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_codec", b"activation_codec", "drained", b"drained", "gradient_codec", b"gradient_codec", "moves", b"moves", "num_stages", b"num_stages", "stages", b"stages", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_codec", b"activation_codec", "drained", b"drained", "gradient_codec", b"gradient_codec", "moves", b"moves", "num_stages", b"num_stages", "revoked", b"revoked", "stages", b"stages", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -55,12 +55,24 @@ class JoinReply(_message.Message):
     RUN_CONFIG_JSON_FIELD_NUMBER: _builtins.int
     STAGE_FIELD_NUMBER: _builtins.int
     BROKER_URL_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
+    VERIFY_KEY_FIELD_NUMBER: _builtins.int
+    BROKER_USERNAME_FIELD_NUMBER: _builtins.int
+    BROKER_PASSWORD_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     run_config_json: _builtins.str
     """the run spec, loaded with swarmpipe.config"""
     stage: _builtins.int
     broker_url: _builtins.str
     """mqtt://host:port the node must use"""
+    credential: _builtins.str
+    """Admission (transport/auth.py): the node's signed credential, carried on every call
+    it makes; the run's Ed25519 public key, to check other nodes' credentials; and its
+    MQTT login (username = node id, a password derived from the run key).
+    """
+    verify_key: _builtins.bytes
+    broker_username: _builtins.str
+    broker_password: _builtins.str
     def __init__(
         self,
         *,
@@ -68,10 +80,14 @@ class JoinReply(_message.Message):
         run_config_json: _builtins.str = ...,
         stage: _builtins.int = ...,
         broker_url: _builtins.str = ...,
+        credential: _builtins.str = ...,
+        verify_key: _builtins.bytes = ...,
+        broker_username: _builtins.str = ...,
+        broker_password: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker_url", b"broker_url", "run_config_json", b"run_config_json", "run_id", b"run_id", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker_password", b"broker_password", "broker_url", b"broker_url", "broker_username", b"broker_username", "credential", b"credential", "run_config_json", b"run_config_json", "run_id", b"run_id", "stage", b"stage", "verify_key", b"verify_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

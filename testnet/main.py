@@ -31,10 +31,13 @@ import grpc
 
 from swarmpipe.config import RunConfig, add_config_arguments, load_config
 from swarmpipe.control import link_control
-from swarmpipe.control.bus import parse_broker_url
+from swarmpipe.control.bus import BrokerAddress, parse_broker_url
 from swarmpipe.control.status_view import sample_counters
+from swarmpipe.coordinator.admission import load_or_create_admin_token
 from swarmpipe.coordinator.summary import summary_lines
+from swarmpipe.coordinator.tokens import TokenStore
 from swarmpipe.errors import ConfigError, SwarmpipeError
+from swarmpipe.node.main import TOKEN_ENV
 from swarmpipe.process.ready import wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
@@ -44,6 +47,7 @@ from swarmpipe.testnet.picture import write_picture
 from swarmpipe.testnet.processes import Child, ProcessGroup
 from swarmpipe.testnet.profiles import parse_profiles
 from swarmpipe.testnet.progress import ProgressBar
+from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CredentialHolder
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.rpc import open_channel
 
@@ -195,6 +199,12 @@ class Testnet:
         self.profiles = parse_profiles(args.node_profile, args.nodes)
         self.bar: ProgressBar | None = None
         """The live bar, on a terminal without --quiet; otherwise plain progress lines."""
+        self.admin_token = ""
+        """The organiser's token (the coordinator's admin-token file), for Status and MQTT."""
+        self.node_env: dict[str, str] = {}
+        """What every node gets in its environment: the join token the testnet made."""
+        self.credential = CredentialHolder()
+        """What the testnet's own calls to the coordinator carry: the organiser's token."""
 
     def _node_args(self, name: str) -> list[str]:
         node_args = [
@@ -221,7 +231,12 @@ class Testnet:
         # --stay: the testnet reads the final Status after the nodes leave, then stops it.
         coord_args = [*self.log_args, "coordinator", *self.daemon_args, "--listen", "127.0.0.1:0"]
         coord_args.append("--stay")
-        coord_args += ["--state-dir", str(self.out / "coordinator-state")]
+        state_dir = self.out / "coordinator-state"
+        coord_args += ["--state-dir", str(state_dir)]
+        # A closed run, like a real one, with nothing in the user's hands: the testnet makes
+        # the join token its nodes get (in their environment, out of `ps`).
+        _, token = TokenStore(state_dir).create(expires_s=None, note="testnet")
+        self.node_env = {TOKEN_ENV: token}
         if self.args.config:
             coord_args += ["--config", str(Path(self.args.config).resolve())]
         for item in [f"coordinator.min_nodes={self.args.nodes}", *self.overrides]:
@@ -231,16 +246,19 @@ class Testnet:
         coordinator = self.group.start("coordinator", coord_args)
         ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
         self.target = f"127.0.0.1:{ready['grpc_port']}"
+        admin_token = load_or_create_admin_token(state_dir)
+        self.credential.set(ADMIN_TOKEN_KEY, admin_token)
+        self.admin_token = admin_token
         self.broker_url = self.args.broker or ready["broker_url"]
         for i in range(self.args.nodes):
-            self.group.start(f"n{i}", self._node_args(f"n{i}"))
+            self.group.start(f"n{i}", self._node_args(f"n{i}"), env=self.node_env)
         return self.target
 
     async def run(self) -> dict[str, Any]:
         started = time.time()
         t0 = time.monotonic()
         target = await asyncio.to_thread(self._start_children)
-        channel = open_channel(target)
+        channel = open_channel(target, self.credential)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
             if sys.stdout.isatty() and not self.args.quiet:
@@ -382,7 +400,7 @@ class Testnet:
         elif child is not None and child.alive():
             outcome = "already running"
         else:
-            self.group.start(node, self._node_args(node))
+            self.group.start(node, self._node_args(node), env=self.node_env)
             outcome = "started"
         record = ChurnRecord(action, node, planned, elapsed, steps, stages.get(node, -1), outcome)
         self._record(record)
@@ -408,9 +426,7 @@ class Testnet:
         assert self.training_since is not None
         limit = None if event.mbit is None else event.mbit * MBIT
         self.link_controls.add(event.node)
-        await link_control.publish(
-            parse_broker_url(self.broker_url), self.config.run_id, event.node, limit
-        )
+        await link_control.publish(self._organiser_broker(), self.config.run_id, event.node, limit)
         elapsed = time.monotonic() - self.training_since
         outcome = "withdrawn" if limit is None else f"limited to {link_control.describe(limit)}"
         self._record(
@@ -426,14 +442,16 @@ class Testnet:
             )
         )
 
+    def _organiser_broker(self) -> BrokerAddress:
+        """The run's broker with the organiser's login: only it may publish link limits."""
+        return link_control.organiser_login(parse_broker_url(self.broker_url), self.admin_token)
+
     async def _clear_link_controls(self) -> None:
         """Clear the retained LinkControl messages of this run: a later run with the same
         run_id on an external broker must not start with them."""
         for node in sorted(self.link_controls):
             try:
-                await link_control.publish(
-                    parse_broker_url(self.broker_url), self.config.run_id, node, None
-                )
+                await link_control.publish(self._organiser_broker(), self.config.run_id, node, None)
             except SwarmpipeError as exc:
                 logger.warning("could not clear the link control message of %s: %s", node, exc)
         self.link_controls.clear()

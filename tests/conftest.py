@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -13,9 +14,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
+from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CREDENTIAL_KEY, ROLE_COORDINATOR, RunKey
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,6 +32,55 @@ TINY = [
     "train.microbatch=4",
     "train.lr=0.003",
 ]
+
+
+class _Details(
+    collections.namedtuple(
+        "_Details",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class WithMetadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `pairs` to the metadata of every call on a (blocking) channel."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        self.pairs = pairs
+
+    def _details(self, d: Any) -> _Details:
+        metadata = (*(d.metadata or ()), *self.pairs)
+        return _Details(
+            d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+def organiser_channel(target: str, state_dir: Path) -> grpc.Channel:
+    """A channel to the coordinator at `target` whose calls carry the organiser's token
+    (`state_dir/admin-token`), as `swarmpipe status --admin-token-file` sends it."""
+    token = (state_dir / "admin-token").read_text().strip()
+    return grpc.intercept_channel(
+        grpc.insecure_channel(target), WithMetadata(((ADMIN_TOKEN_KEY, token),))
+    )
 
 
 class Procs:
@@ -122,6 +174,15 @@ class Procs:
 
         info: dict[str, Any] = poll_until(serving, timeout, f"{name} to serve")
         return info
+
+    def peer_channel(self, port: int, node_id: str = "test") -> grpc.Channel:
+        """A channel to the node on `port` whose calls carry a credential the coordinator's
+        run key signed (as the coordinator's own), so a test can talk to a node directly."""
+        state_dir = self.tmp / "coordinator-state"
+        (run_id,) = [p.name for p in (state_dir / "checkpoints").iterdir()]
+        credential = RunKey.load_or_create(state_dir, run_id).issue(node_id, role=ROLE_COORDINATOR)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        return grpc.intercept_channel(channel, WithMetadata(((CREDENTIAL_KEY, credential),)))
 
     def reap(self) -> None:
         for popen, _ in self.children:

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from swarmpipe.transport.auth import AuthInterceptor, CredentialHolder
 from swarmpipe.transport.request_parsing import add_servicer
 
 # Tensors travel as 1 MiB chunks, so no message comes near these limits; they
@@ -37,8 +38,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def create_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def create_server(auth: AuthInterceptor | None = None) -> grpc.aio.Server:
+    """A server with the project's options; `auth` checks every caller but the open services."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[auth] if auth else None)
 
 
 async def enable_health_and_reflection(
@@ -68,6 +70,11 @@ def bind(server: grpc.aio.Server, listen: str) -> int:
     return int(port)
 
 
-def open_channel(target: str) -> grpc.aio.Channel:
-    """A channel to `target` with the project's options (plaintext for now)."""
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+def open_channel(target: str, credential: CredentialHolder | None = None) -> grpc.aio.Channel:
+    """A channel to `target` with the project's options (plaintext for now); its calls carry
+    what `credential` holds at the time of each call."""
+    return grpc.aio.insecure_channel(
+        target,
+        options=CHANNEL_OPTIONS,
+        interceptors=credential.interceptors() if credential is not None else None,
+    )

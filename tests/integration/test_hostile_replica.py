@@ -45,7 +45,8 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
             240,
             "the run to finish",
         )
-        # A benched node cannot come back under its name, and a stranger cannot report.
+        # A benched node cannot come back under its name, and a stranger (no node credential)
+        # cannot report.
         with pytest.raises(grpc.RpcError) as refused:
             stub.Join(coordinator_pb2.JoinRequest(node_id="nx", address="127.0.0.1:1"), timeout=5)
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -59,7 +60,7 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
                 ),
                 timeout=5,
             )
-        assert stranger.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert stranger.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         channel.close()
 

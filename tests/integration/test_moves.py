@@ -74,7 +74,7 @@ def test_a_moved_node_serves_its_new_stage_and_bad_moves_are_refused(procs, tiny
             60,
             "the moved node to serve stage 2",
         )
-        with grpc.insecure_channel(f"127.0.0.1:{moved['grpc_port']}") as node_channel:
+        with procs.peer_channel(moved["grpc_port"]) as node_channel:
             info = stage_pb2_grpc.StageStub(node_channel).Info(
                 stage_pb2.StageInfoRequest(), timeout=5
             )

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from swarmpipe.bench.fuzz_rpc import fuzz_process
+from swarmpipe.bench.fuzz_rpc import fuzz_credentials, fuzz_process
 from tests.conftest import Procs
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,12 +34,15 @@ def test_every_rpc_answers_bytes_that_do_not_parse_with_invalid_argument(
         "coordinator": (coordinator, coordinator_popen.pid, procs.tmp / "coordinator.log"),
         "node": (f"127.0.0.1:{info['grpc_port']}", node.pid, procs.tmp / "n0.log"),
     }
+    # Valid credentials, so the fuzz gets past admission to the parsers.
+    metadata = fuzz_credentials(procs.tmp / "coordinator-state")
     for name, (target, pid, log) in servers.items():
         report = asyncio.run(
             fuzz_process(
                 target,
                 pid=pid,
                 log_path=log,
+                metadata=metadata[name],
                 inputs=INPUTS,
                 seed=22,
                 deadline_s=1.0,
@@ -55,6 +58,8 @@ def test_every_rpc_answers_bytes_that_do_not_parse_with_invalid_argument(
             assert sum(method["unparsable_codes"].values()) > 0, (name, path, method)
             escaped = {"UNKNOWN", "INTERNAL"} & set(method["unparsable_codes"])
             assert not escaped, (name, path, method)
+            # Its credential took it past admission to the parsers.
+            assert "UNAUTHENTICATED" not in method["unparsable_codes"], (name, path, method)
             assert method["healthy_after"], (name, path)
         assert report["hangs"] == 0, report
         assert report["alive"], (name, log.read_text()[-3000:])

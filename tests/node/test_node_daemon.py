@@ -46,7 +46,7 @@ def last_stage(module_procs, tiny_settings):  # type: ignore[no-untyped-def]
     _, info = procs.node("n1", coordinator)
     procs.wait_serving("n1")  # until then it refuses microbatches: it is not in the plan
     os.killpg(head.pid, signal.SIGKILL)
-    channel = grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}")
+    channel = procs.peer_channel(info["grpc_port"])
     stub = stage_pb2_grpc.StageStub(channel)
     poll_until(lambda: _info_or_none(stub), 30, "the stage-1 node to serve")
     yield stub, info
@@ -377,7 +377,7 @@ def test_a_stage_after_a_bottleneck_needs_well_formed_token_ids(procs, tiny) -> 
     head, _ = procs.node("n0", coordinator)
     _, info = procs.node("n1", coordinator)
     os.killpg(head.pid, signal.SIGKILL)
-    with grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}") as channel:
+    with procs.peer_channel(info["grpc_port"]) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
         step = poll_until(lambda: _info_or_none(stub), 30, "the stage-1 node to serve").step
         x = torch.randn(2, CONTEXT, k)

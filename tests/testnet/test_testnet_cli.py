@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from tests.conftest import organiser_channel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -107,7 +107,8 @@ def test_a_node_killed_from_outside_is_churn_and_the_run_goes_on(
     poll_until(lambda: read_ready_file(logs / "coordinator.ready.json"), 60, "the coordinator")
     coordinator = read_ready_file(logs / "coordinator.ready.json")
     assert coordinator is not None
-    with grpc.insecure_channel(f"127.0.0.1:{coordinator['grpc_port']}") as channel:
+    target = f"127.0.0.1:{coordinator['grpc_port']}"
+    with organiser_channel(target, tmp_path / "coordinator-state") as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         poll_until(
             lambda: len(stub.Status(coordinator_pb2.StatusRequest(), timeout=5).steps) >= 3,
@@ -206,7 +207,8 @@ def test_a_stage_that_loses_its_last_replica_gets_a_node_moved_to_it(
     poll_until(lambda: len(_child_pids(tmp_path)) == 5, 120, "every child to start")
     coordinator = read_ready_file(logs / "coordinator.ready.json")
     assert coordinator is not None
-    with grpc.insecure_channel(f"127.0.0.1:{coordinator['grpc_port']}") as channel:
+    target = f"127.0.0.1:{coordinator['grpc_port']}"
+    with organiser_channel(target, tmp_path / "coordinator-state") as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         status = poll_until(
             lambda: (
