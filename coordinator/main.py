@@ -108,7 +108,8 @@ def open_state(args: argparse.Namespace, state_dir: Path) -> tuple[RunConfig, in
     The rule: a state database of an unfinished run in `--state-dir` is resumed live (same
     step and phase, leases, counters, members), when the config given is the one it holds;
     `--resume` restarts from the last complete checkpoint set instead (the live state is
-    dropped: the nodes are gone too); a finished run, or another run's state, is refused."""
+    dropped: the nodes are gone too); a finished run, or another run's state, is refused,
+    unless that run never opened a step: then it holds nothing to lose and is replaced."""
     from swarmpipe.coordinator import run_state
     from swarmpipe.coordinator.state_db import StateDB, StateDBError, db_path
     from swarmpipe.coordinator.step_protocol import Phase
@@ -142,7 +143,13 @@ def open_state(args: argparse.Namespace, state_dir: Path) -> tuple[RunConfig, in
             run_state.start(state_dir, config)
             return config, 0, StateDB.create(path, config)
         if db.run_id != config.run_id or db.config_json != config.to_json():
-            raise StateDBError(_other_run(path, db.run_id, same_id=db.run_id == config.run_id))
+            if db.started:
+                raise StateDBError(_other_run(path, db.run_id, same_id=db.run_id == config.run_id))
+            # A coordinator stopped before its run opened step 0 left nothing to lose.
+            run_state.start(state_dir, config)
+            logger.info("replacing the state of run %r, which never started", db.run_id)
+            db.reset(config)
+            return config, 0, db
         if db.phase is Phase.DONE:
             raise StateDBError(
                 f"run {db.run_id!r} in {state_dir} is finished (step {db.step}): pass --resume "

@@ -220,16 +220,25 @@ class StateDB:
                 [("grpc_port", str(grpc_port)), ("broker_port", str(broker_port))],
             )
 
+    @property
+    def started(self) -> bool:
+        """Whether the recorded run ever opened a step (else it holds nothing to lose)."""
+        return self._conn.execute("SELECT 1 FROM history LIMIT 1").fetchone() is not None
+
     def reset(self, config: RunConfig) -> None:
-        """Forget the live state (`--resume` restarts from checkpoints) and record `config`."""
+        """Forget the live state and record `config`: `--resume` restarts the same run from
+        its checkpoints (their index is kept), or a run that never started is replaced."""
+        same_run = config.run_id == self.run_id
         with self._conn:
-            for table in sorted(_TABLES - {"meta", "checkpoints"}):
+            for table in sorted(_TABLES - {"meta"} - ({"checkpoints"} if same_run else set())):
                 self._conn.execute(f"DELETE FROM {table}")
             self._conn.executemany(
                 "INSERT OR REPLACE INTO meta VALUES (?, ?)",
                 [("config", config.to_json()), ("run_id", config.run_id)],
             )
-            self._conn.execute("DELETE FROM meta WHERE key = 'wall_start'")
+            self._conn.execute(
+                "DELETE FROM meta WHERE key IN ('wall_start', 'grpc_port', 'broker_port')"
+            )
 
     # -- writing ------------------------------------------------------------
 

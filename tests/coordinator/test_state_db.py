@@ -3,17 +3,20 @@ refuses."""
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from swarmpipe.config import RunConfig, load_config
 from swarmpipe.coordinator.membership import Membership
 from swarmpipe.coordinator.state_db import Extras, MoveRow, StateDB, StateDBError
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 
 
 def _protocol() -> StepProtocol:
@@ -234,3 +237,37 @@ def test_a_corrupt_state_database_is_one_line_and_exit_2(tmp_path: Path, damage:
     done = _coordinator(tmp_path)
     _one_line_exit_2(done, "move it away to start afresh")
     assert _snapshot(tmp_path) == before
+
+
+def test_only_a_run_that_never_started_may_be_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "c.sqlite"
+    db = StateDB.create(path, _config(run_id="other"))
+    db.save(_protocol(), _membership(), Extras())  # a coordinator stopped while waiting
+    assert not db.started
+    db.reset(_config())
+    assert (db.run_id, db.config(), db.phase) == ("testnet", _config(), None)
+    p, m, extras = _mid_run()
+    db.save(p, m, extras)
+    assert db.started
+
+
+@pytest.mark.slow
+def test_a_coordinator_stopped_before_its_run_started_can_start_another(procs) -> None:  # type: ignore[no-untyped-def]
+    state = procs.tmp / "coordinator-state"
+    procs.coordinator("train.steps=5")
+    procs.children[-1][0].send_signal(signal.SIGTERM)
+    assert procs.children[-1][0].wait(timeout=30) == 0
+    db = StateDB.open(state / "coordinator.sqlite")
+    assert db.phase is Phase.WAITING and not db.started
+    db.close()
+    # Another config: the first run lost nothing, so its state is replaced.
+    _, info = procs.start(
+        "coordinator-again",
+        *("coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state)),
+        *("--set", "train.steps=7"),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}") as channel:
+        status = coordinator_pb2_grpc.CoordinatorStub(channel).Status(
+            coordinator_pb2.StatusRequest(), timeout=10
+        )
+    assert status.total_steps == 7
