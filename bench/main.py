@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "join": "seconds from a node's start to taking traffic when it joins a running run",
     "codecs": "each codec's wire bytes, MB/s and error on activation/gradient tensors, "
     "beside hivemind's codecs when importable",
+    "state-db": "milliseconds per coordinator state-database transaction, NORMAL beside FULL",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
 }

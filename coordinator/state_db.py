@@ -130,10 +130,11 @@ class StateDB:
     # -- opening ----------------------------------------------------------
 
     @classmethod
-    def create(cls, path: Path, config: RunConfig) -> StateDB:
-        """A new database for `config`'s run; `path` must not exist."""
+    def create(cls, path: Path, config: RunConfig, *, synchronous: str = "NORMAL") -> StateDB:
+        """A new database for `config`'s run; `path` must not exist. `synchronous` is
+        SQLite's setting (`swarmpipe bench state-db` compares NORMAL with FULL)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        conn = _connect(path)
+        conn = _connect(path, synchronous)
         with conn:
             conn.executescript(_SCHEMA)
             conn.executemany(
@@ -501,11 +502,13 @@ class StateDB:
         ]
 
 
-def _connect(path: Path) -> sqlite3.Connection:
+def _connect(path: Path, synchronous: str = "NORMAL") -> sqlite3.Connection:
     # isolation_level stays the default: `with conn:` is one transaction.
     conn = sqlite3.connect(path, timeout=5.0)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
+    if synchronous not in ("NORMAL", "FULL"):
+        raise ValueError(f"synchronous={synchronous!r}: NORMAL or FULL")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
     return conn
 
 
