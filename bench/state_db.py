@@ -20,7 +20,7 @@ from typing import Any
 from swarmpipe.config import load_config
 from swarmpipe.coordinator.membership import Membership
 from swarmpipe.coordinator.state_db import Extras, StateDB
-from swarmpipe.coordinator.step_protocol import StepProtocol
+from swarmpipe.coordinator.step_protocol import Lease, StepProtocol
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def _run(folder: Path, args: argparse.Namespace, synchronous: str) -> dict[str, 
     nodes = sorted(membership.members)
     protocol.start()
     for step in range(args.steps):
-        leases = []
+        leases: list[Lease] = []
         while (lease := protocol.lease(nodes[len(leases) % len(nodes)])) is not None:
             leases.append(lease)
             db.save(protocol, membership, extras)
