@@ -193,6 +193,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._changed = asyncio.Event()
 
     async def _publish(self, topic: str, payload: bytes) -> None:
+        # What nodes act on must be on disk first: a coordinator that published APPLY and
+        # died before recording it would come back in TRAINING and drop the nodes' acks.
+        self._persist()
         await self._mqtt_ready.wait()
         assert self._mqtt is not None
         await self._mqtt.publish(topic, payload, qos=1, retain=True)
@@ -200,8 +203,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def _publish_plan(self) -> None:
         self._plan_published_at = time.monotonic()
         plan = self.membership.plan()
+        # Recorded by _publish: the plan's version must grow across restarts (nodes drop
+        # older ones).
         self._plan_bytes = plan.SerializeToString()
-        self._persist()  # the plan's version must grow across restarts: nodes drop older ones
         await self._publish(self.topics.plan, self._plan_bytes)
 
     async def _publish_step(self) -> None:

@@ -7,7 +7,7 @@ orders, the last plan, the checkpoint index, the step and evaluation history, an
 the coordinator listened on. `CoordinatorService` writes a snapshot of what changed in one
 transaction at each event that matters (join, presence, promotion, lease grant, commit,
 release, step done, move, drain, checkpoint stored), before it answers the call that caused
-it, so an answer a node got is never forgotten.
+it and before it publishes anything over MQTT, so nothing a node was told is forgotten.
 
 Durability: `synchronous=NORMAL` in WAL mode does not fsync each commit. A committed
 transaction survives the coordinator's process dying (SIGKILL, a crash), which is what this

@@ -336,6 +336,11 @@ class Testnet:
         if self.training_since is None:
             return  # the schedules count from the start of training
         for event in self.churn.due(elapsed, steps):
+            if status.done and event.node == COORDINATOR:
+                # A finished run's coordinator is not started again (it would refuse the
+                # finished run): the event is reported as not reached.
+                self.churn.pending.append(event)
+                continue
             if event.action == "link":
                 await self._link(event, steps=steps, stages=stages)
             else:

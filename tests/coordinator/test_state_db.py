@@ -16,6 +16,7 @@ from swarmpipe.config import RunConfig, load_config
 from swarmpipe.coordinator.membership import Membership
 from swarmpipe.coordinator.state_db import Extras, MoveRow, StateDB, StateDBError
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
+from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -255,6 +256,17 @@ def test_only_a_run_that_never_started_may_be_replaced(tmp_path: Path) -> None:
 def test_a_coordinator_stopped_before_its_run_started_can_start_another(procs) -> None:  # type: ignore[no-untyped-def]
     state = procs.tmp / "coordinator-state"
     procs.coordinator("train.steps=5")
+
+    def recorded() -> Phase | None:
+        db = StateDB.open(state / "coordinator.sqlite")
+        try:
+            return db.phase
+        finally:
+            db.close()
+
+    # Once it has published its first plan (a SIGTERM in the embedded broker's first
+    # milliseconds is another matter).
+    assert poll_until(recorded, 30, "the first state") is Phase.WAITING
     procs.children[-1][0].send_signal(signal.SIGTERM)
     assert procs.children[-1][0].wait(timeout=30) == 0
     db = StateDB.open(state / "coordinator.sqlite")
