@@ -87,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--churn",
         default="",
         metavar="SCHEDULE",
-        help="SIGKILL and start nodes, and change their send limits, on a schedule, e.g. "
-        "'kill n1@8s, start n1@step12, link n0=2@step8, link n0=off@step20' (seconds since "
-        "training began, or steps finished; link NODE=MBIT or =off, NODE may be all)",
+        help="SIGKILL and start nodes (or the coordinator: 'kill coordinator@30s'), and change "
+        "their send limits, on a schedule, e.g. 'kill n1@8s, start n1@step12, link n0=2@step8, "
+        "link n0=off@step20' (seconds since training began, or steps finished; link "
+        "NODE=MBIT or =off, NODE may be all)",
     )
     parser.add_argument(
         "--churn-random",
