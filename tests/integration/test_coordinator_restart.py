@@ -63,3 +63,35 @@ def test_a_coordinator_killed_and_started_again_finishes_the_run(
     assert "did not reconnect" not in coordinator_log
     node_log = (logs / "n0.log").read_text()
     assert "reconnected to the MQTT broker" in node_log
+
+
+def test_a_node_that_dies_while_the_coordinator_is_away_counts_as_gone_after_the_grace(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    """4 nodes on 3 stages; n3 is SIGKILLed while the coordinator is dead. The restarted
+    coordinator remembers it as online, waits coordinator.restart_grace_s for it (a step's
+    APPLY waits for its ack meanwhile), then counts it as gone: its leases, if the kill left
+    it holding any, are replayed, and the run finishes without it."""
+    report = _testnet(
+        tmp_path,
+        tiny,
+        "--nodes",
+        "4",
+        "--set",
+        "coordinator.restart_grace_s=15",
+        "--churn",
+        "kill coordinator@1s, kill n3@2s, start coordinator@6s",
+    )
+    assert [(r["action"], r["node"], r["outcome"]) for r in report["churn"]] == [
+        ("kill", "coordinator", "killed"),
+        ("kill", "n3", "killed"),
+        ("start", "coordinator", "started"),
+    ]
+    c = report["counters"]
+    assert c["lost"] == 0 and c["outstanding"] == 0, c
+    assert c["committed"] == STEPS * 16, c
+    members = {m["node_id"]: m for m in report["members"]}
+    assert not members["n3"]["online"]
+    assert all(members[n]["last_step"] == STEPS - 1 for n in ("n0", "n1", "n2"))
+    log = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "node n3 did not reconnect within 15 s of the restart" in log
