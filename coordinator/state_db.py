@@ -133,14 +133,17 @@ class StateDB:
     def create(cls, path: Path, config: RunConfig, *, synchronous: str = "NORMAL") -> StateDB:
         """A new database for `config`'s run; `path` must not exist. `synchronous` is
         SQLite's setting (`swarmpipe bench state-db` compares NORMAL with FULL)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        conn = _connect(path, synchronous)
-        with conn:
-            conn.executescript(_SCHEMA)
-            conn.executemany(
-                "INSERT INTO meta VALUES (?, ?)",
-                [("format", FORMAT), ("run_id", config.run_id), ("config", config.to_json())],
-            )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            conn = _connect(path, synchronous)
+            with conn:
+                conn.executescript(_SCHEMA)
+                conn.executemany(
+                    "INSERT INTO meta VALUES (?, ?)",
+                    [("format", FORMAT), ("run_id", config.run_id), ("config", config.to_json())],
+                )
+        except (OSError, sqlite3.Error) as exc:
+            raise StateDBError(f"cannot create the state database {path}: {exc}") from exc
         return cls(path, conn)
 
     @classmethod

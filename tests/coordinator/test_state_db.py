@@ -162,6 +162,12 @@ def test_a_damaged_database_is_refused(tmp_path: Path) -> None:
         StateDB.open(path)
 
 
+def test_a_state_dir_that_cannot_hold_the_database_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StateDBError, match="cannot create the state database"):
+        StateDB.create(tmp_path / "file" / "c.sqlite", _config())
+
+
 def test_another_kind_of_sqlite_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "c.sqlite"
     with sqlite3.connect(path) as conn:
