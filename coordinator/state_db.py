@@ -13,6 +13,9 @@ Durability: `synchronous=NORMAL` in WAL mode does not fsync each commit. A commi
 transaction survives the coordinator's process dying (SIGKILL, a crash), which is what this
 file is for; a power cut may lose the last transactions (the database stays consistent).
 
+Loss sums are REAL columns that may be NULL: SQLite stores a NaN (a diverged run's loss) as
+NULL, and it is read back as NaN.
+
 Times: the history keeps seconds since the run's first step opened, and the wall-clock time
 of that moment, so a restarted coordinator (another monotonic clock) lines them up again.
 """
@@ -20,6 +23,7 @@ of that moment, so a restarted coordinator (another monotonic clock) lines them 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -58,12 +62,12 @@ CREATE TABLE pending (
 CREATE TABLE leases (
     lease_id INTEGER PRIMARY KEY, step INTEGER NOT NULL, node_id TEXT NOT NULL,
     sample_start INTEGER NOT NULL, sample_count INTEGER NOT NULL, replay INTEGER NOT NULL,
-    eval INTEGER NOT NULL, state TEXT NOT NULL, loss_sum REAL NOT NULL, tokens INTEGER NOT NULL
+    eval INTEGER NOT NULL, state TEXT NOT NULL, loss_sum REAL, tokens INTEGER NOT NULL
 );
 CREATE TABLE history (
     step INTEGER PRIMARY KEY, started_s REAL NOT NULL, finished_s REAL,
-    samples INTEGER NOT NULL, loss_sum REAL NOT NULL, tokens INTEGER NOT NULL,
-    eval_loss_sum REAL NOT NULL, eval_tokens INTEGER NOT NULL, eval_leases INTEGER NOT NULL,
+    samples INTEGER NOT NULL, loss_sum REAL, tokens INTEGER NOT NULL,
+    eval_loss_sum REAL, eval_tokens INTEGER NOT NULL, eval_leases INTEGER NOT NULL,
     eval_finished_s REAL
 );
 CREATE TABLE members (
@@ -427,9 +431,9 @@ class StateDB:
                 started_at=start + r[1],
                 finished_at=mono(r[2]),
                 samples=r[3],
-                loss_sum=r[4],
+                loss_sum=_float(r[4]),
                 tokens=r[5],
-                eval_loss_sum=r[6],
+                eval_loss_sum=_float(r[6]),
                 eval_tokens=r[7],
                 eval_leases=r[8],
                 eval_finished_at=mono(r[9]),
@@ -450,7 +454,7 @@ class StateDB:
                     replay=bool(r[5]),
                     eval=bool(r[6]),
                     granted_at=now_mono,
-                    loss_sum=r[8],
+                    loss_sum=_float(r[8]),
                     tokens=r[9],
                 ),
             )
@@ -513,6 +517,11 @@ def _connect(path: Path, synchronous: str = "NORMAL") -> sqlite3.Connection:
         raise ValueError(f"synchronous={synchronous!r}: NORMAL or FULL")
     conn.execute(f"PRAGMA synchronous={synchronous}")
     return conn
+
+
+def _float(value: float | None) -> float:
+    """A REAL column read back: NULL was a NaN."""
+    return math.nan if value is None else float(value)
 
 
 def _wall(mono: float | None) -> float | None:

@@ -3,6 +3,7 @@ refuses."""
 
 from __future__ import annotations
 
+import math
 import signal
 import sqlite3
 import subprocess
@@ -120,6 +121,19 @@ def test_leases_out_at_the_restart_stay_open_and_commits_of_them_count_once(
     # The released range is leased again (replayed), and new lease ids do not collide.
     again = q.lease("a")
     assert again is not None and again.replay and again.lease_id == p.next_lease_id
+
+
+def test_a_nan_loss_is_kept_as_nan(tmp_path: Path) -> None:
+    """A diverged run commits NaN losses; SQLite would store them as NULL."""
+    p, m, extras = _mid_run()
+    (open_,) = [x for s, x in p.leases_of(1) if s == "open"]
+    assert p.commit("a", open_.lease_id, math.nan, 4) is None
+    db = StateDB.create(tmp_path / "c.sqlite", _config())
+    db.save(p, m, extras)
+    q = _protocol()
+    db.load(q, _membership())
+    (back,) = [x for s, x in q.leases_of(1) if x.lease_id == open_.lease_id]
+    assert math.isnan(back.loss_sum) and math.isnan(q.history[-1].loss_sum)
 
 
 def test_a_save_is_one_transaction(tmp_path: Path) -> None:
