@@ -121,6 +121,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return False
         extras = self.db.load(self.protocol, self.membership)
         self.joins, self.departures = extras.joins, extras.departures
+        self._plan_bytes = extras.plan
         self.final_states = {stage: Path(path) for stage, path in extras.final_states.items()}
         self.move_records = [
             coordinator_pb2.MoveRecord(
