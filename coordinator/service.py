@@ -139,7 +139,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         c = self.protocol.counters
         logger.warning(
             "resuming run %r live from its state database: step %d (%s), %d samples "
-            "committed, %d leases open; waiting up to %.0f s for %d node(s) to reconnect",
+            "committed, %d out on leases; waiting up to %.0f s for %d node(s) to reconnect",
             self.config.run_id,
             self.protocol.step,
             self.protocol.phase.value,
