@@ -108,7 +108,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.expected_back: set[str] = set()
         """Members a restarted coordinator remembers as online that have not shown
         themselves on MQTT yet; see `restore`."""
-        self.restored = False
 
     # -- persistence ------------------------------------------------------
 
@@ -135,7 +134,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for r in extras.moves
         ]
         self.expected_back = {m.node_id for m in self.membership.members.values() if m.online}
-        self.restored = True
         c = self.protocol.counters
         logger.warning(
             "resuming run %r live from its state database: step %d (%s), %d samples "
