@@ -375,6 +375,10 @@ class CoordinatorConfig:
     join_hold_s: float = 30.0
     """How long the swarm may wait at a step boundary for a joining node whose
     download the previous step outran, so a slow link cannot keep it out forever."""
+    restart_grace_s: float = 60.0
+    """How long nodes keep training without their coordinator (retrying its calls and its
+    broker) before they give up and exit 1, and how long a coordinator started again on its
+    state database waits for the nodes it remembers to reconnect before they count as gone."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 0:
@@ -383,6 +387,8 @@ class CoordinatorConfig:
             raise ConfigError("coordinator.join_hold_s must be >= 0 (0: never wait for joiners)")
         if self.lease_timeout_s <= 0:
             raise ConfigError("coordinator.lease_timeout_s must be positive")
+        if self.restart_grace_s <= 0:
+            raise ConfigError("coordinator.restart_grace_s must be positive")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "beside hivemind's codecs when importable",
     "hostile": "the loss curve with one replica sending noise (or x F) at every reduce, "
     "beside a clean run, and whom the coordinator benched",
+    "state-db": "milliseconds per coordinator state-database transaction, NORMAL beside FULL",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
 }

@@ -18,10 +18,15 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from swarmpipe.config import add_config_arguments, load_config
+from swarmpipe.config import RunConfig, add_config_arguments, load_config
 from swarmpipe.errors import ConfigError
 from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
+
+if TYPE_CHECKING:
+    from swarmpipe.coordinator.service import CoordinatorService
+    from swarmpipe.coordinator.state_db import StateDB
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +76,121 @@ async def serve(args: argparse.Namespace) -> int:
     endpoint = metrics_endpoint(args)
     # Imported here, not above: grpc, the broker and the MQTT client take a while to
     # import, which `swarmpipe coordinator --help` must not wait for (process/subcommands.py).
+    from swarmpipe.control.bus import BrokerAddress
+    from swarmpipe.coordinator.admission import Admission, is_loopback
+    from swarmpipe.coordinator.service import CoordinatorService
+
+    state_dir = Path(args.state_dir)
+    config, resume_at, db = open_state(args, state_dir)
+    try:
+        hosts = [_split_hostport(args.listen)[0]]
+        if not args.broker:
+            hosts.append(_split_hostport(args.broker_listen)[0])
+        admission = Admission(
+            state_dir, config.run_id, loopback_only=all(is_loopback(h) for h in hosts)
+        )
+        # The broker is known once the embedded one listens (_serve).
+        service = CoordinatorService(
+            config,
+            BrokerAddress(host="", port=0),
+            state_dir,
+            resume_at=resume_at,
+            admission=admission,
+            state_db=db,
+        )
+        live = service.restore()
+        grpc_port, broker_port = db.ports() if live else (0, 0)
+        listen, broker_listen = args.listen, args.broker_listen
+        # A coordinator started again listens where its nodes expect it, unless told where.
+        if grpc_port and _split_hostport(listen)[1] == 0:
+            listen = f"{_split_hostport(listen)[0]}:{grpc_port}"
+        if broker_port and _split_hostport(broker_listen)[1] == 0:
+            broker_listen = f"{_split_hostport(broker_listen)[0]}:{broker_port}"
+        return await _serve(args, service, endpoint, listen, broker_listen)
+    finally:
+        db.close()
+
+
+def open_state(args: argparse.Namespace, state_dir: Path) -> tuple[RunConfig, int, StateDB]:
+    """The run to serve, the step a `--resume` opens at, and its state database.
+
+    The rule: a state database of an unfinished run in `--state-dir` is resumed live (same
+    step and phase, leases, counters, members), when the config given is the one it holds;
+    `--resume` restarts from the last complete checkpoint set instead (the live state is
+    dropped: the nodes are gone too); a finished run, or another run's state, is refused,
+    unless that run never opened a step: then it holds nothing to lose and is replaced."""
+    from swarmpipe.coordinator import run_state
+    from swarmpipe.coordinator.state_db import StateDB, StateDBError, db_path
+    from swarmpipe.coordinator.step_protocol import Phase
+
+    path = db_path(state_dir)
+    db = StateDB.open(path) if path.exists() else None
+    try:
+        if args.resume:
+            if args.config:
+                raise ConfigError(
+                    "--resume takes the recorded run's config; use --set to change it"
+                )
+            run_id = next((s.partition("=")[2] for s in args.set if s.startswith("run_id=")), None)
+            if db is not None and run_id is not None and db.run_id != run_id:
+                raise StateDBError(_other_run(path, db.run_id))
+            recorded = run_id or (db.run_id if db is not None else None)
+            config, resume_at = run_state.resume(state_dir, list(args.set), recorded)
+            logger.info(
+                "resuming run %r from step %d (its last complete step) to %d",
+                config.run_id,
+                resume_at,
+                config.train.steps,
+            )
+            if db is None:
+                db = StateDB.create(path, config)
+            else:
+                db.reset(config)
+            return config, resume_at, db
+        config = load_config(args.config, args.set)
+        if db is None:
+            run_state.start(state_dir, config)
+            return config, 0, StateDB.create(path, config)
+        if db.run_id != config.run_id or db.config_json != config.to_json():
+            if db.started:
+                raise StateDBError(_other_run(path, db.run_id, same_id=db.run_id == config.run_id))
+            # A coordinator stopped before its run opened step 0 left nothing to lose.
+            run_state.start(state_dir, config)
+            logger.info("replacing the state of run %r, which never started", db.run_id)
+            db.reset(config)
+            return config, 0, db
+        if db.phase is Phase.DONE:
+            raise StateDBError(
+                f"run {db.run_id!r} in {state_dir} is finished (step {db.step}): pass --resume "
+                f"--set train.steps=N with N > {db.step} to train it further, or give another "
+                "--state-dir"
+            )
+        return config, 0, db
+    except BaseException:
+        if db is not None:
+            db.close()
+        raise
+
+
+def _other_run(path: Path, run_id: str, *, same_id: bool = False) -> str:
+    what = f"run {run_id!r} with another config" if same_id else f"run {run_id!r}"
+    return (
+        f"{path} holds the state of {what}; start that run again with its own config, "
+        "or give another --state-dir"
+    )
+
+
+async def _serve(
+    args: argparse.Namespace,
+    service: CoordinatorService,
+    endpoint: tuple[str, int] | None,
+    listen: str,
+    broker_listen: str,
+) -> int:
     from swarmpipe.control.bus import BrokerAddress, parse_broker_url
     from swarmpipe.control.mqtt_acl import COORDINATOR_USER
-    from swarmpipe.coordinator import run_state
-    from swarmpipe.coordinator.admission import Admission, is_loopback
     from swarmpipe.coordinator.broker import EmbeddedBroker
     from swarmpipe.coordinator.metrics import coordinator_families
-    from swarmpipe.coordinator.service import CoordinatorService
     from swarmpipe.coordinator.summary import summary_lines
     from swarmpipe.process.metrics import MetricsServer, serve_metrics
     from swarmpipe.process.ready import write_ready_file
@@ -86,34 +199,14 @@ async def serve(args: argparse.Namespace) -> int:
     from swarmpipe.transport.request_parsing import add_servicer
     from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
-    state_dir = Path(args.state_dir)
-    resume_at = 0
-    if args.resume:
-        if args.config:
-            raise ConfigError("--resume takes the recorded run's config; use --set to change it")
-        run_id = next((s.partition("=")[2] for s in args.set if s.startswith("run_id=")), None)
-        config, resume_at = run_state.resume(state_dir, list(args.set), run_id)
-        logger.info(
-            "resuming run %r from step %d (its last complete step) to %d",
-            config.run_id,
-            resume_at,
-            config.train.steps,
-        )
-    else:
-        config = load_config(args.config, args.set)
-        run_state.start(state_dir, config)
-    hosts = [_split_hostport(args.listen)[0]]
-    if not args.broker:
-        hosts.append(_split_hostport(args.broker_listen)[0])
-    admission = Admission(
-        state_dir, config.run_id, loopback_only=all(is_loopback(h) for h in hosts)
-    )
+    config = service.config
+    admission = service.admission
     embedded: EmbeddedBroker | None = None
     if args.broker:
         broker: BrokerAddress = parse_broker_url(args.broker)
     else:
         auth = admission.broker_auth()
-        embedded = EmbeddedBroker(*_split_hostport(args.broker_listen), auth=auth)
+        embedded = EmbeddedBroker(*_split_hostport(broker_listen), auth=auth)
         broker = await embedded.start()
         if auth is not None:
             broker = dataclasses.replace(
@@ -121,15 +214,15 @@ async def serve(args: argparse.Namespace) -> int:
                 username=COORDINATOR_USER,
                 password=admission.key.mqtt_password(COORDINATOR_USER),
             )
-    service = CoordinatorService(
-        config, broker, state_dir, resume_at=resume_at, admission=admission
-    )
+    service.broker = broker
     server = create_server(AuthInterceptor(admission.policy))
     add_servicer(server, service, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
     await enable_health_and_reflection(
         server, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
     )
-    port = bind(server, args.listen)
+    port = bind(server, listen)
+    assert service.db is not None
+    service.db.set_ports(port, 0 if args.broker else broker.port)
     metrics: MetricsServer | None = None
     if endpoint is not None:
         stages = config.pipeline.stages
@@ -144,6 +237,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(service.watch_mqtt())
     revocations = asyncio.create_task(service.watch_tokens())
+    grace = asyncio.create_task(service.wait_for_members())
     try:
         await server.start()
         logger.info(
@@ -176,8 +270,17 @@ async def serve(args: argparse.Namespace) -> int:
         if service.done.is_set():
             print("\n".join(summary_lines(service.status())), flush=True)
         logger.info("stopping")
+        costs = service.db.commit_seconds if service.db is not None else []
+        if costs:
+            logger.info(
+                "state database: last %d transactions took %.2f ms on average, %.2f ms at most",
+                len(costs),
+                1e3 * sum(costs) / len(costs),
+                1e3 * max(costs),
+            )
     finally:
         revocations.cancel()
+        grace.cancel()
         watch.cancel()
         # Its exception, if any, was raised above; the server must stop all the same.
         await asyncio.gather(watch, return_exceptions=True)

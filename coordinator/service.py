@@ -30,6 +30,7 @@ from swarmpipe.control.bus import BrokerAddress, BrokerAuthError, Topics, make_c
 from swarmpipe.control.mqtt_acl import RESERVED_USERS
 from swarmpipe.coordinator.admission import Admission
 from swarmpipe.coordinator.membership import Member, Membership, MoveOrder
+from swarmpipe.coordinator.state_db import Extras, MoveRow, StateDB
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.coordinator.suspects import DATA, REDUCE, Suspects
 from swarmpipe.coordinator.tokens import TokenError
@@ -68,6 +69,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         *,
         resume_at: int = 0,
         admission: Admission | None = None,
+        state_db: StateDB | None = None,
     ) -> None:
         self.config = config
         self.state_dir = Path(state_dir)
@@ -106,14 +108,101 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.departures = 0
         self.move_records: list[coordinator_pb2.MoveRecord] = []
         self.suspects = Suspects(bench_s=config.robust.bench_s)
+        self.db = state_db
+        """Where every change that matters is recorded (coordinator/state_db.py); None: not
+        kept (unit tests)."""
+        self._plan_bytes = b""
+        self._new_checkpoints: list[tuple[int, int, str]] = []
+        self.expected_back: set[str] = set()
+        """Members a restarted coordinator remembers as online that have not shown
+        themselves on MQTT yet; see `restore`."""
+
+    # -- persistence ------------------------------------------------------
+
+    def restore(self) -> bool:
+        """Take up the run recorded in the state database, if it holds one; returns
+        whether it did. Members that were online are taken as still online (their nodes
+        keep training while the coordinator is away) but `expected_back`: one that does not
+        publish its presence within `coordinator.restart_grace_s` counts as gone."""
+        if self.db is None or self.db.phase is None:
+            return False
+        extras = self.db.load(self.protocol, self.membership)
+        self.joins, self.departures = extras.joins, extras.departures
+        self._plan_bytes = extras.plan
+        self.final_states = {stage: Path(path) for stage, path in extras.final_states.items()}
+        self.move_records = [
+            coordinator_pb2.MoveRecord(
+                node_id=r.order.node_id,
+                from_stage=r.order.from_stage,
+                to_stage=r.order.to_stage,
+                reason=r.order.reason,
+                step=r.step,
+                elapsed_s=r.elapsed_s,
+            )
+            for r in extras.moves
+        ]
+        self.expected_back = {m.node_id for m in self.membership.members.values() if m.online}
+        c = self.protocol.counters
+        logger.warning(
+            "resuming run %r live from its state database: step %d (%s), %d samples "
+            "committed, %d out on leases; waiting up to %.0f s for %d node(s) to reconnect",
+            self.config.run_id,
+            self.protocol.step,
+            self.protocol.phase.value,
+            c.committed,
+            self.protocol.outstanding_samples,
+            self.config.coordinator.restart_grace_s,
+            len(self.expected_back),
+        )
+        return True
+
+    async def wait_for_members(self) -> None:
+        """After a restart: members that have not shown up within the grace are gone."""
+        if not self.expected_back:
+            return
+        await asyncio.sleep(self.config.coordinator.restart_grace_s)
+        for node_id in sorted(self.expected_back):
+            member = self.membership.members.get(node_id)
+            if member is not None and member.online:
+                logger.warning(
+                    "node %s did not reconnect within %.0f s of the restart",
+                    node_id,
+                    self.config.coordinator.restart_grace_s,
+                )
+                await self._on_presence(
+                    node_id, control_pb2.Presence(node_id=node_id, online=False, stage=member.stage)
+                )
+        self.expected_back.clear()
+
+    def _persist(self) -> None:
+        """Record the state in the database (one transaction), before any answer that
+        depends on it goes out."""
+        if self.db is None:
+            return
+        extras = Extras(
+            joins=self.joins,
+            departures=self.departures,
+            plan=self._plan_bytes,
+            final_states={stage: str(path) for stage, path in self.final_states.items()},
+            moves=[
+                MoveRow(order, step=record.step, elapsed_s=record.elapsed_s)
+                for order, record in zip(self.membership.moves, self.move_records, strict=False)
+            ],
+            checkpoints=self._new_checkpoints,
+        )
+        self.db.save(self.protocol, self.membership, extras)
 
     # -- state changes --------------------------------------------------
 
     def _notify(self) -> None:
+        self._persist()
         self._changed.set()
         self._changed = asyncio.Event()
 
     async def _publish(self, topic: str, payload: bytes) -> None:
+        # What nodes act on must be on disk first: a coordinator that published APPLY and
+        # died before recording it would come back in TRAINING and drop the nodes' acks.
+        self._persist()
         await self._mqtt_ready.wait()
         assert self._mqtt is not None
         await self._mqtt.publish(topic, payload, qos=1, retain=True)
@@ -122,7 +211,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._plan_published_at = time.monotonic()
         plan = self.membership.plan()
         plan.revoked.extend(sorted(self.admission.revoked_nodes))
-        await self._publish(self.topics.plan, plan.SerializeToString())
+        # Recorded by _publish: the plan's version must grow across restarts (nodes drop
+        # older ones).
+        self._plan_bytes = plan.SerializeToString()
+        await self._publish(self.topics.plan, self._plan_bytes)
 
     async def _publish_step(self) -> None:
         p = self.protocol
@@ -297,6 +389,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # The joiner serves only once it holds its stage's current state (Ready).
         member = self.membership.assign(request.node_id, request.address)
         self.joins += 1
+        self.expected_back.discard(request.node_id)
+        self._persist()
         logger.info(
             "node %s (%s, version %s, token %s) joined: stage %d, %d replica(s) serving it",
             request.node_id,
@@ -348,6 +442,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             serving = member.online and member.serving
             lease = self.protocol.lease(request.node_id) if serving else None
             if lease is not None:
+                self._persist()
                 return Reply(
                     status=Reply.STATUS_GRANTED,
                     lease_id=lease.lease_id,
@@ -373,6 +468,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
         if reason is not None:
             logger.warning("commit from %s refused: %s", request.node_id, reason)
+            self._persist()  # a duplicate is counted
             return coordinator_pb2.CommitReply(accepted=False, reason=reason)
         await self._after_change(before)
         return coordinator_pb2.CommitReply(accepted=True)
@@ -400,8 +496,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await self._step_opened()
             await self._publish_step()
             self._notify()
-        elif self.protocol.phase is Phase.APPLY and not self.protocol.awaiting:
-            self._wake_when_holds_expire()
+        else:
+            self._persist()
+            if self.protocol.phase is Phase.APPLY and not self.protocol.awaiting:
+                self._wake_when_holds_expire()
         return coordinator_pb2.StepDoneReply()
 
     async def Status(
@@ -629,6 +727,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             manifest.node_id,
             manifest.payload_bytes,
         )
+        self._new_checkpoints.append((int(manifest.stage), int(manifest.step), str(path)))
+        self._persist()
         p = self.protocol
         if p.phase is Phase.SAVING and manifest.step == p.step:
             await self._final_state_stored(int(manifest.stage), manifest.node_id, path)
@@ -864,6 +964,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         member = self.membership.members.get(node_id)
         if member is None:
             return  # a retained presence from an earlier coordinator's run
+        if presence.online and presence.stage == member.stage:
+            self.expected_back.discard(node_id)
         if presence.online and presence.stage != member.stage:
             return  # a stale retained message from an earlier life of this node
         if presence.online == member.online:

@@ -48,6 +48,9 @@ class Lease:
     replay: bool
     granted_at: float
     eval: bool = False
+    loss_sum: float = 0.0
+    """Once committed: the loss sum and tokens the commit reported."""
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -89,7 +92,9 @@ class StepStats:
 
 
 @dataclass(slots=True)
-class _Range:
+class SampleRange:
+    """Samples of the current step waiting for a lease."""
+
     start: int
     count: int
     replay: bool = False
@@ -111,9 +116,10 @@ class StepProtocol:
     step: int = 0
     counters: Counters = field(default_factory=Counters)
     history: list[StepStats] = field(default_factory=list)
-    _pending: deque[_Range] = field(default_factory=deque)
+    _pending: deque[SampleRange] = field(default_factory=deque)
     _outstanding: dict[int, Lease] = field(default_factory=dict)
     _retired: dict[int, Lease] = field(default_factory=dict)
+    _committed: dict[int, Lease] = field(default_factory=dict)
     _next_lease_id: int = 1
     _awaiting_ack: set[str] = field(default_factory=set)
     _holds: dict[str, float] = field(default_factory=dict)
@@ -147,14 +153,14 @@ class StepProtocol:
             # Evaluation first: it is short, and its result is what a watcher waits for.
             for offset in range(0, self.eval_samples, self.microbatch):
                 count = min(self.microbatch, self.eval_samples - offset)
-                self._pending.append(_Range(offset, count, eval=True))
+                self._pending.append(SampleRange(offset, count, eval=True))
                 stats.eval_leases += 1
             self._eval_pending = stats.eval_leases
         if not self.eval_only:
             base = step * self.global_batch
             for offset in range(0, self.global_batch, self.microbatch):
                 count = min(self.microbatch, self.global_batch - offset)
-                self._pending.append(_Range(base + offset, count))
+                self._pending.append(SampleRange(base + offset, count))
         self.history.append(stats)
 
     def evaluates(self, step: int) -> bool:
@@ -204,6 +210,11 @@ class StepProtocol:
         """Record a finished microbatch. Returns None if accepted, else why not."""
         lease = self._outstanding.get(lease_id)
         if lease is None:
+            done = self._committed.get(lease_id)
+            if done is not None and done.node_id == node_id:
+                # A commit sent again because the coordinator restarted before it could
+                # answer: it was recorded once, and that is all it counts.
+                return None
             if lease_id in self._retired:
                 # The samples were leased again after this lease expired or was
                 # released; its gradient is already in the accumulators.
@@ -214,6 +225,8 @@ class StepProtocol:
         if lease.node_id != node_id:
             return f"lease {lease_id} belongs to {lease.node_id}, not {node_id}"
         del self._outstanding[lease_id]
+        lease.loss_sum, lease.tokens = loss_sum, tokens
+        self._committed[lease_id] = lease
         stats = self.current
         if lease.eval:
             stats.eval_loss_sum += loss_sum
@@ -240,7 +253,7 @@ class StepProtocol:
         self._retired[lease.lease_id] = lease
         # Replays go to the front so a step's stragglers finish first.
         self._pending.appendleft(
-            _Range(lease.sample_start, lease.sample_count, replay=True, eval=lease.eval)
+            SampleRange(lease.sample_start, lease.sample_count, replay=True, eval=lease.eval)
         )
 
     def release(self, node_id: str, lease_id: int) -> bool:
@@ -331,6 +344,57 @@ class StepProtocol:
     @property
     def awaiting(self) -> frozenset[str]:
         return frozenset(self._awaiting_ack)
+
+    # -- what a restarted coordinator needs (coordinator/state_db.py) --------
+
+    @property
+    def next_lease_id(self) -> int:
+        return self._next_lease_id
+
+    @property
+    def opened(self) -> bool:
+        return self._opened
+
+    @property
+    def eval_pending(self) -> int:
+        return self._eval_pending
+
+    def pending_ranges(self) -> list[SampleRange]:
+        """The current step's samples not leased yet, in the order they will be."""
+        return list(self._pending)
+
+    def leases_of(self, step: int) -> list[tuple[str, Lease]]:
+        """Every lease of `step` with its state: "open", "committed" or "released"."""
+        found = [("open", x) for x in self._outstanding.values() if x.step == step]
+        found += [("committed", x) for x in self._committed.values() if x.step == step]
+        found += [("released", x) for x in self._retired.values() if x.step == step]
+        return found
+
+    def restore(
+        self,
+        *,
+        step: int,
+        phase: Phase,
+        opened: bool,
+        next_lease_id: int,
+        eval_pending: int,
+        awaiting: set[str],
+        pending: list[SampleRange],
+        leases: list[tuple[str, Lease]],
+    ) -> None:
+        """Take up the state a coordinator that died had recorded. Leases that were open
+        stay open for a full lease timeout from now: the heads that hold them still work on
+        them and commit once they reach this coordinator."""
+        self.step, self.phase, self._opened = step, phase, opened
+        self._next_lease_id, self._eval_pending = next_lease_id, eval_pending
+        self._awaiting_ack = set(awaiting)
+        self._pending = deque(pending)
+        now = self.clock()
+        books = {"open": self._outstanding, "committed": self._committed, "released": self._retired}
+        for state, lease in leases:
+            if state == "open":
+                lease.granted_at = now
+            books[state][lease.lease_id] = lease
 
     # -- the end of the run -----------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,10 +84,7 @@ class Checkpointer:
             if store is not None:
                 where = await asyncio.to_thread(_write_to_folder, store, snapshot)
             else:
-                reply = await d.coordinator.stub.PutCheckpoint(
-                    _aiter(state_messages(snapshot.manifest, snapshot.chunks())),
-                    timeout=UPLOAD_TIMEOUT_S,
-                )
+                reply = await self._put(snapshot)
                 where = f"the coordinator ({reply.stored_as})"
             logger.info(
                 "checkpoint of stage %d at step %d saved to %s (%d bytes)",
@@ -98,6 +96,27 @@ class Checkpointer:
         except (grpc.aio.AioRpcError, OSError, PeerError) as exc:
             details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             logger.warning("checkpoint of step %d not saved: %s", snapshot.step, details)
+
+    async def _put(self, snapshot: StateSnapshot) -> coordinator_pb2.PutCheckpointReply:
+        """Upload a sealed snapshot to the coordinator. A coordinator that is away (it may be
+        restarting) is tried again for coordinator.restart_grace_s, so a restart does not
+        cost the checkpoint, nor a run its final state."""
+        d = self.ctx
+        deadline = time.monotonic() + d.coordinator.retry_s
+        delay = 0.2
+        while True:
+            try:
+                reply: coordinator_pb2.PutCheckpointReply = await d.coordinator.stub.PutCheckpoint(
+                    _aiter(state_messages(snapshot.manifest, snapshot.chunks())),
+                    timeout=UPLOAD_TIMEOUT_S,
+                )
+                return reply
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                logger.debug("checkpoint upload: the coordinator is away; trying again")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     async def save_final(self, step: int) -> None:
         """Upload the stage's final state (the coordinator asked this replica for it)."""
@@ -115,10 +134,7 @@ class Checkpointer:
         await fault_points.reach("checkpoint.final", step)
         for attempt in range(1, FINAL_UPLOAD_ATTEMPTS + 1):
             try:
-                reply = await d.coordinator.stub.PutCheckpoint(
-                    _aiter(state_messages(snapshot.manifest, snapshot.chunks())),
-                    timeout=UPLOAD_TIMEOUT_S,
-                )
+                reply = await self._put(snapshot)
                 logger.info(
                     "final state of stage %d at step %d stored by the coordinator (%s, %d bytes)",
                     d.stage,

@@ -42,7 +42,8 @@ from swarmpipe.transport.auth import JOIN_TOKEN_KEY
 logger = logging.getLogger(__name__)
 
 COORDINATOR_RETRY_S = 60.0
-"""How long calls wait for a coordinator that stopped answering (it may be restarting)."""
+"""How long calls wait for a coordinator that stopped answering (it may be restarting),
+until the run's `coordinator.restart_grace_s` is known."""
 
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -133,10 +134,13 @@ class CoordinatorClient:
         self.address = address
         self.stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         """For calls with their own retry rule (Lease, checkpoints)."""
+        self.retry_s = COORDINATOR_RETRY_S
+        """How long a call keeps retrying a coordinator that does not answer; the run's
+        coordinator.restart_grace_s once the node has joined."""
 
     async def call(self, method: str, request: Any, *, timeout: float = 10.0) -> Any:
         """Call a coordinator RPC, retrying while it is unreachable (it may be restarting)."""
-        deadline = time.monotonic() + COORDINATOR_RETRY_S
+        deadline = time.monotonic() + self.retry_s
         delay = 0.1
         while True:
             try:
@@ -146,7 +150,8 @@ class CoordinatorClient:
                     raise
                 if time.monotonic() > deadline:
                     raise CoordinatorUnavailable(
-                        f"the coordinator at {self.address} stopped answering ({exc.code().name})"
+                        f"the coordinator at {self.address} stopped answering for "
+                        f"{self.retry_s:.0f} s ({exc.code().name})"
                     ) from exc
                 logger.debug("%s failed (%s); retrying", method, exc.code().name)
                 await asyncio.sleep(delay)

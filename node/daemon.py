@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -160,6 +159,7 @@ class NodeDaemon:
         self._last_step_state: control_pb2.StepState | None = None
         self._ready_info: dict[str, Any] = {}
         self._client: aiomqtt.Client | None = None
+        self._bus_stack: contextlib.AsyncExitStack | None = None
         self._move_order = 0
         self._applies: set[asyncio.Task[Any]] = set()
         """Optimizer steps under way; a move cancels them."""
@@ -284,36 +284,38 @@ class NodeDaemon:
                 qos=1,
                 retain=True,
             )
-            async with self._open_bus(broker, self._topics, will) as client:
-                self._client = client
-                self._spawn(self._read_mqtt(client))
-                self._spawn(self._telemetry_loop(client))
-                self._spawn(self._start_serving(joined))
-                await self.status.wait_stop()
-                await self._drain()
-                await self.joined.checkpointer.close()
-                useful = max(time.monotonic() - self.status.started_at, 1e-9)
-                logger.info("leaving: %s", self.status_line(self.status.samples_processed / useful))
-                await self._cancel_tasks()
-                try:
-                    # A last report, so counters of a short run are not lost between ticks.
-                    await client.publish(
-                        self._topics.telemetry(self.node_id),
-                        self._telemetry(0.0).SerializeToString(),
-                        qos=1,
-                    )
-                    await client.publish(
-                        self._topics.presence(self.node_id),
-                        self._presence(online=False).SerializeToString(),
-                        qos=1,
-                        retain=True,
-                    )
-                except aiomqtt.MqttError as exc:
-                    # The broker is gone (that may be why we stop): our Last Will says
-                    # we left, and a traceback here would bury the reason.
-                    logger.info("no goodbye over MQTT: %s", exc)
+            self.coordinator.retry_s = config.coordinator.restart_grace_s
+            await self._open_bus(broker, self._topics, will)
+            self._spawn(self._bus_loop(broker, will, config.coordinator.restart_grace_s))
+            self._spawn(self._start_serving(joined))
+            await self.status.wait_stop()
+            await self._drain()
+            await self.joined.checkpointer.close()
+            useful = max(time.monotonic() - self.status.started_at, 1e-9)
+            logger.info("leaving: %s", self.status_line(self.status.samples_processed / useful))
+            await self._cancel_tasks()
+            try:
+                if self._client is None:
+                    raise aiomqtt.MqttError("not connected")
+                # A last report, so counters of a short run are not lost between ticks.
+                await self._client.publish(
+                    self._topics.telemetry(self.node_id),
+                    self._telemetry(0.0).SerializeToString(),
+                    qos=1,
+                )
+                await self._client.publish(
+                    self._topics.presence(self.node_id),
+                    self._presence(online=False).SerializeToString(),
+                    qos=1,
+                    retain=True,
+                )
+            except aiomqtt.MqttError as exc:
+                # The broker is gone (that may be why we stop): our Last Will says
+                # we left, and a traceback here would bury the reason.
+                logger.info("no goodbye over MQTT: %s", exc)
         finally:
             await self._cancel_tasks()
+            await self._close_bus()
             await server.stop(grace=1.0)
             await self.router.close()
             await self._channel.close()
@@ -343,34 +345,46 @@ class NodeDaemon:
         logger.info("metrics on %s", metrics.url)
         return metrics
 
-    @contextlib.asynccontextmanager
-    async def _open_bus(
-        self, broker: BrokerAddress, topics: Topics, will: aiomqtt.Will
-    ) -> AsyncIterator[aiomqtt.Client]:
-        """Connect to the broker, subscribe to the run's topics and announce ourselves.
+    async def _connect_bus(self, broker: BrokerAddress, topics: Topics, will: aiomqtt.Will) -> None:
+        """One try to connect, subscribe to the run's topics and announce ourselves."""
+        stack = contextlib.AsyncExitStack()
+        try:
+            client = await stack.enter_async_context(
+                make_client(broker, f"node-{self.node_id}", will=will)
+            )
+            await client.subscribe(topics.plan, qos=1)
+            await client.subscribe(topics.step, qos=1)
+            await client.subscribe(topics.control(), qos=1)
+            await client.publish(
+                topics.presence(self.node_id),
+                self._presence(online=True).SerializeToString(),
+                qos=1,
+                retain=True,
+            )
+        except BaseException:
+            with contextlib.suppress(aiomqtt.MqttError):
+                await stack.aclose()
+            raise
+        self._client, self._bus_stack = client, stack
+
+    async def _close_bus(self) -> None:
+        stack, self._bus_stack, self._client = self._bus_stack, None, None
+        if stack is not None:
+            with contextlib.suppress(aiomqtt.MqttError):
+                await stack.aclose()
+
+    async def _open_bus(self, broker: BrokerAddress, topics: Topics, will: aiomqtt.Will) -> None:
+        """Set up the MQTT session at start.
 
         A broker that refuses or drops us while we set up (restarting, overloaded) is
         retried a few times with backoff; one that stays away is a one-line error.
         """
         delay = self.options.broker_retry_s
         for attempt in range(1, BUS_ATTEMPTS + 1):
-            stack = contextlib.AsyncExitStack()
             try:
-                client = await stack.enter_async_context(
-                    make_client(broker, f"node-{self.node_id}", will=will)
-                )
-                await client.subscribe(topics.plan, qos=1)
-                await client.subscribe(topics.step, qos=1)
-                await client.subscribe(topics.control(), qos=1)
-                await client.publish(
-                    topics.presence(self.node_id),
-                    self._presence(online=True).SerializeToString(),
-                    qos=1,
-                    retain=True,
-                )
+                await self._connect_bus(broker, topics, will)
+                return
             except aiomqtt.MqttError as exc:
-                with contextlib.suppress(aiomqtt.MqttError):
-                    await stack.aclose()
                 if attempt == BUS_ATTEMPTS or self.status.stopping:
                     raise SwarmpipeError(
                         f"cannot use the MQTT broker at {broker.url} ({attempt} attempt(s)): {exc}"
@@ -385,10 +399,47 @@ class NodeDaemon:
                 )
                 await asyncio.sleep(delay)
                 delay *= 2
-                continue
-            async with stack:
-                yield client
-            return
+
+    async def _bus_loop(self, broker: BrokerAddress, will: aiomqtt.Will, grace_s: float) -> None:
+        """Read the run's topics and publish telemetry; when the broker goes away (the
+        coordinator's embedded broker dies with it), keep training over the peers' gRPC
+        links and reconnect with backoff: subscribe again and publish our presence again
+        (a restarted broker holds no retained messages; the restarted coordinator publishes
+        the plan and step again). Past `grace_s` without a broker the node gives up."""
+        assert self._topics is not None
+        while True:
+            client = self._client
+            assert client is not None
+            lost: Exception = aiomqtt.MqttError("the broker ended the session")
+            try:
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(self._read_mqtt(client))
+                    group.create_task(self._telemetry_loop(client))
+            except* aiomqtt.MqttError as errors:
+                lost = errors.exceptions[0]
+            logger.warning(
+                "lost the MQTT broker %s (%s); training goes on, reconnecting for up to %.0f s",
+                broker.url,
+                lost,
+                grace_s,
+            )
+            await self._close_bus()
+            deadline = time.monotonic() + grace_s
+            delay = 0.2
+            while True:
+                await asyncio.sleep(delay)
+                try:
+                    await self._connect_bus(broker, self._topics, will)
+                    break
+                except aiomqtt.MqttError as exc:
+                    if time.monotonic() + delay > deadline:
+                        raise SwarmpipeError(
+                            f"the MQTT broker at {broker.url} stayed away for {grace_s:.0f} s "
+                            f"(coordinator.restart_grace_s): {exc}"
+                        ) from exc
+                    logger.debug("MQTT broker %s: %s; trying again", broker.url, exc)
+                    delay = min(delay * 2, 2.0)
+            logger.info("reconnected to the MQTT broker %s", broker.url)
 
     async def _add_head(self, joined: _Joined) -> None:
         """A stage-0 node leads: it gets a Head with the run's corpus."""
@@ -427,12 +478,14 @@ class NodeDaemon:
         if self.options.ready_file:
             write_ready_file(self.options.ready_file, self._ready_info)
         if self._client is not None:
-            await self._client.publish(
-                self._topics.presence(self.node_id),
-                self._presence(online=True).SerializeToString(),
-                qos=1,
-                retain=True,
-            )
+            # Without a broker now, the reconnect announces the new stage.
+            with contextlib.suppress(aiomqtt.MqttError):
+                await self._client.publish(
+                    self._topics.presence(self.node_id),
+                    self._presence(online=True).SerializeToString(),
+                    qos=1,
+                    retain=True,
+                )
         await self._start_serving(joined)
 
     async def _start_serving(self, joined: _Joined) -> None:
@@ -472,7 +525,10 @@ class NodeDaemon:
         if task.cancelled() or task.exception() is None or self.status.stopping:
             return
         exc = task.exception()
-        if isinstance(exc, aiomqtt.MqttError):
+        if isinstance(exc, SwarmpipeError):
+            logger.error("%s", exc)
+            self.stop(str(exc), failed=True)
+        elif isinstance(exc, aiomqtt.MqttError):
             logger.error("lost the MQTT broker: %s", exc)
             self.stop(f"lost the MQTT broker: {exc}", failed=True)
         elif isinstance(exc, grpc.aio.AioRpcError) and _refused_as_revoked(exc):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from swarmpipe.errors import CoordinatorUnavailable
 from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.context import StageContext
@@ -64,6 +65,7 @@ class Head:
     async def _worker(self, index: int) -> None:
         d = self.ctx
         Reply = coordinator_pb2.LeaseReply
+        failing_since: float | None = None
         while not self.stopping.is_set():
             try:
                 lease = await d.coordinator.stub.Lease(
@@ -74,9 +76,19 @@ class Head:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     logger.warning("coordinator refused leases: %s", exc.details())
                     return
+                # A coordinator that restarts is away for seconds; one away past the grace
+                # is gone, and the node says so instead of asking forever.
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > d.coordinator.retry_s:
+                    raise CoordinatorUnavailable(
+                        f"the coordinator at {d.coordinator.address} granted no lease for "
+                        f"{d.coordinator.retry_s:.0f} s ({exc.code().name})"
+                    ) from exc
                 logger.debug("lease request failed (%s); retrying", exc.code().name)
                 await asyncio.sleep(1.0)
                 continue
+            failing_since = None
             if lease.status == Reply.STATUS_DONE:
                 return
             if lease.status != Reply.STATUS_GRANTED:

@@ -10,6 +10,10 @@ with that name, the same id as a killed one (it rejoins) or a fresh one. T is
 `Ns` (seconds since training began, i.e. since step 0 opened) or `stepN`
 (once N steps have finished).
 
+`kill coordinator@T` and `start coordinator@T` do the same to the coordinator: started
+again with the same command line, it takes the run up from its state database
+(coordinator/state_db.py) on the same ports, and the nodes, which kept training, reconnect.
+
 `link NODE=MBIT@T` limits what NODE sends to each peer to MBIT Mbit/s from T
 on (`link all=0.5@20s` every node; `=0` no limit), and `link NODE=off@T`
 withdraws that setting, so the node goes back to the limit it started with

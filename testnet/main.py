@@ -44,7 +44,7 @@ from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_sc
 from swarmpipe.testnet.metrics_scrape import MetricsScraper
 from swarmpipe.testnet.node_timeline import NodeTimeline
 from swarmpipe.testnet.picture import write_picture
-from swarmpipe.testnet.processes import Child, ProcessGroup
+from swarmpipe.testnet.processes import COORDINATOR, Child, ProcessGroup
 from swarmpipe.testnet.profiles import parse_profiles
 from swarmpipe.testnet.progress import ProgressBar
 from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CredentialHolder
@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
 POLL_S = 0.25
+_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""Status codes of a coordinator that is not there right now (it may be restarting)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,9 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--churn",
         default="",
         metavar="SCHEDULE",
-        help="SIGKILL and start nodes, and change their send limits, on a schedule, e.g. "
-        "'kill n1@8s, start n1@step12, link n0=2@step8, link n0=off@step20' (seconds since "
-        "training began, or steps finished; link NODE=MBIT or =off, NODE may be all)",
+        help="SIGKILL and start nodes (or the coordinator: 'kill coordinator@30s'), and change "
+        "their send limits, on a schedule, e.g. 'kill n1@8s, start n1@step12, link n0=2@step8, "
+        "link n0=off@step20' (seconds since training began, or steps finished; link "
+        "NODE=MBIT or =off, NODE may be all)",
     )
     parser.add_argument(
         "--churn-random",
@@ -197,6 +200,9 @@ class Testnet:
         self.log_args = ["--log-level", "INFO", "--log-format", args.log_format]
         self.node_timeline = NodeTimeline()
         self.profiles = parse_profiles(args.node_profile, args.nodes)
+        self.coord_args: list[str] = []
+        """The coordinator's command line; `start coordinator@T` runs it again, and it takes
+        up the run from its state database on the same ports."""
         self.bar: ProgressBar | None = None
         """The live bar, on a terminal without --quiet; otherwise plain progress lines."""
         self.admin_token = ""
@@ -243,7 +249,8 @@ class Testnet:
             coord_args += ["--set", item]
         if self.args.broker:
             coord_args += ["--broker", self.args.broker]
-        coordinator = self.group.start("coordinator", coord_args)
+        self.coord_args = coord_args
+        coordinator = self.group.start(COORDINATOR, coord_args)
         ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
         self.target = f"127.0.0.1:{ready['grpc_port']}"
         admin_token = load_or_create_admin_token(state_dir)
@@ -267,7 +274,7 @@ class Testnet:
                 status = await self._follow(stub)
             # Nodes leave by themselves once the run is done; give them a moment.
             deadline = time.monotonic() + 15
-            while any(c.alive() for c in self.group.children[1:]) and time.monotonic() < deadline:
+            while any(c.alive() for c in self.group.nodes()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             status = await stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
             if self.scraper is not None:
@@ -361,6 +368,11 @@ class Testnet:
         if self.training_since is None:
             return  # the schedules count from the start of training
         for event in self.churn.due(elapsed, steps):
+            if status.done and event.node == COORDINATOR:
+                # A finished run's coordinator is not started again (it would refuse the
+                # finished run): the event is reported as not reached.
+                self.churn.pending.append(event)
+                continue
             if event.action == "link":
                 await self._link(event, steps=steps, stages=stages)
             else:
@@ -400,7 +412,10 @@ class Testnet:
         elif child is not None and child.alive():
             outcome = "already running"
         else:
-            self.group.start(node, self._node_args(node), env=self.node_env)
+            if node == COORDINATOR:
+                self.group.start(node, self.coord_args)
+            else:
+                self.group.start(node, self._node_args(node), env=self.node_env)
             outcome = "started"
         record = ChurnRecord(action, node, planned, elapsed, steps, stages.get(node, -1), outcome)
         self._record(record)
@@ -460,6 +475,7 @@ class Testnet:
         last_step_count, last_progress = -1, time.monotonic()
         last_bytes, last_time = 0, time.monotonic()
         next_line = 0.0
+        status: coordinator_pb2.StatusReply | None = None
         while True:
             crashed = self.group.crashed()
             if crashed:
@@ -471,9 +487,24 @@ class Testnet:
             try:
                 status = await stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
             except grpc.aio.AioRpcError as exc:
-                raise SwarmpipeError(
-                    f"the coordinator stopped answering: {exc.code().name}"
-                ) from exc
+                coordinator = self.group.latest(COORDINATOR)
+                away = coordinator is not None and coordinator.killed_on_purpose
+                if status is None or not (away or exc.code() in _AWAY):
+                    raise SwarmpipeError(
+                        f"the coordinator stopped answering: {exc.code().name}"
+                    ) from exc
+                # The coordinator is away (killed by the churn schedule, or restarting): the
+                # schedule goes on from the last status, to start it again; the stall
+                # timeout still ends a run it never comes back to.
+                now = time.monotonic()
+                await self._churn(status, now)
+                if now - last_progress > self.args.stall_timeout:
+                    raise StallError(
+                        f"the coordinator has not answered for {self.args.stall_timeout:.0f} s "
+                        f"({exc.code().name}); logs are in {self.out / 'logs'}"
+                    ) from exc
+                await asyncio.sleep(POLL_S)
+                continue
             now = time.monotonic()
             if self.scraper is not None:
                 await self.scraper.scrape(self.group, done=status.done, force=status.done)

@@ -21,6 +21,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+COORDINATOR = "coordinator"
+"""The coordinator child's name (a churn schedule may kill and start it like a node)."""
 
 
 def _die_with_parent() -> None:
@@ -85,18 +87,22 @@ class ProcessGroup:
         exiting with an error of its own (code > 0). A node killed by a signal it did not
         send itself is churn (`killed_from_outside`), as a volunteer pulling the plug is."""
         failed = []
-        for i, c in enumerate(self.children):
+        for c in self.children:
             code = c.popen.poll()
             if code in (None, 0) or c.killed_on_purpose:
                 continue
-            if i == 0 or code > 0:
+            if c.name == COORDINATOR or code > 0:
                 failed.append(c)
         return failed
+
+    def nodes(self) -> list[Child]:
+        """Every node child started, restarted ones included (not the coordinator)."""
+        return [c for c in self.children if c.name != COORDINATOR]
 
     def killed_from_outside(self) -> list[Child]:
         """Nodes that died of a signal the testnet did not send, not reported yet."""
         found = []
-        for c in self.children[1:]:
+        for c in self.nodes():
             code = c.popen.poll()
             if code is not None and code < 0 and not c.killed_on_purpose and not c.reported:
                 c.reported = True

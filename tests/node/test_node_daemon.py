@@ -300,8 +300,14 @@ def test_a_node_exits_with_one_line_when_the_broker_stays_away(procs, tiny) -> N
     assert "Traceback" not in log
 
 
-def test_a_node_whose_broker_dies_stops_with_the_reason_and_no_traceback(procs, tiny) -> None:  # type: ignore[no-untyped-def]
-    coordinator = procs.coordinator(*tiny, "pipeline.stages=2", "train.steps=1000")
+def test_a_node_whose_coordinator_stays_away_stops_after_the_grace_with_one_line(
+    procs, tiny
+) -> None:  # type: ignore[no-untyped-def]
+    """The broker dying with the coordinator no longer stops a node at once (it may be
+    restarting); one that stays away past coordinator.restart_grace_s does."""
+    coordinator = procs.coordinator(
+        *tiny, "pipeline.stages=2", "train.steps=1000", "coordinator.restart_grace_s=3"
+    )
     node, _ = procs.node("n0", coordinator)
     procs.node("n1", coordinator)
     procs.wait_serving("n0")
@@ -309,7 +315,10 @@ def test_a_node_whose_broker_dies_stops_with_the_reason_and_no_traceback(procs, 
     os.killpg(coord_popen.pid, signal.SIGKILL)  # and its embedded broker with it
     assert node.wait(timeout=60) == 1
     log = (procs.tmp / "n0.log").read_text()
-    assert "stopping: lost the MQTT broker" in log, log
+    assert "lost the MQTT broker" in log and "training goes on" in log, log
+    stops = [line for line in log.splitlines() if "stopping:" in line]
+    assert len(stops) == 1, log
+    assert "stayed away for 3 s" in stops[0] or "for 3 s" in stops[0], log
     assert "Traceback" not in log, log
 
 
