@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, str] = {
     "join": "seconds from a node's start to taking traffic when it joins a running run",
     "codecs": "each codec's wire bytes, MB/s and error on activation/gradient tensors, "
     "beside hivemind's codecs when importable",
+    "stage-balance": "each stage's forward+backward seconds for the cost-model cut beside "
+    "equal layer counts, and the model's predicted shares beside the measured",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
 }

@@ -41,6 +41,7 @@ from swarmpipe.errors import PeerError, SwarmpipeError
 from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
+from swarmpipe.node.device import describe_device, resolve_device
 from swarmpipe.node.head import Head
 from swarmpipe.node.links import Links
 from swarmpipe.node.metrics import node_families
@@ -92,6 +93,8 @@ class NodeOptions:
     """Send limit per peer in Mbit/s overriding the run's pipeline.link_mbit; 0: unlimited."""
     metrics: tuple[str, int] | None = None
     """(host, port) of the Prometheus endpoint (port 0: any free one); None: no metrics."""
+    device: str = ""
+    """Where the stage trains (node/device.py); empty: the run's train.device."""
 
 
 def _route_host(target_host: str) -> str:
@@ -130,6 +133,8 @@ class NodeDaemon:
         self.link_settings = LinkSettings(self.node_id)
         """The send limit from the start options and the run's LinkControl messages."""
         self.router = Router(self.node_id, self.stats, self.links)
+        self.device = torch.device("cpu")
+        """The stage's device, resolved at Join and kept across moves."""
         self._channel = open_channel(options.coordinator)
         self.coordinator = CoordinatorClient(self._channel, options.coordinator)
         self.servicer = StageServicer(self.node_id, self.status)
@@ -172,6 +177,7 @@ class NodeDaemon:
             head=None,
         )
         self.servicer.attach(ctx, joined.replica_sync, joined.state_transfer)
+        self.router.decode_device = runtime.device
         return joined
 
     # -- lifecycle ------------------------------------------------------
@@ -210,15 +216,23 @@ class NodeDaemon:
                 limit_bytes_per_second=self.link_settings.limit,
                 options=EncodeOptions.from_pipeline(config.pipeline),
             )
-            runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
+            # A --device was checked before Join (node/main.py); the run's own setting can
+            # only be checked now, and a device missing here is the same one line and exit 2.
+            device = self.device = resolve_device(
+                self.options.device or config.train.device,
+                what="--device" if self.options.device else "train.device",
+            )
+            runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage, device))
             joined = self.joined = self._build(config, stage, runtime)
             n_params = sum(p.numel() for p in runtime.module.parameters())
             logger.info(
-                "joined run %r as stage %d of %d (%d parameters), serving on %s:%d",
+                "joined run %r as stage %d of %d (%d parameters, %s on %s), serving on %s:%d",
                 reply.run_id,
                 stage,
                 config.pipeline.stages,
                 n_params,
+                config.train.precision,
+                describe_device(device),
                 host,
                 port,
             )
@@ -385,7 +399,8 @@ class NodeDaemon:
         while self.status.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         config = old.ctx.config
-        runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
+        device = self.device
+        runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage, device))
         joined = self.joined = self._build(config, stage, runtime)
         self._applying.clear()  # step numbers of the old stage's applies
         await self._add_head(joined)

@@ -118,7 +118,7 @@ class ReplicaSync:
                 want = [runtime.n_parameters]
                 if list(message.tensor.shape) != want:
                     raise PeerError(f"tensor shape {list(message.tensor.shape)} is not {want}")
-                reader = TensorReader(message.tensor, self.ctx.stats)
+                reader = TensorReader(message.tensor, self.ctx.stats, runtime.device)
             elif kind == "chunk" and reader is not None:
                 reader.add(message.chunk.data)
             else:
@@ -212,7 +212,10 @@ class ReplicaSync:
             # Add what the others will decode, not the exact vector, so every
             # replica sums the very same numbers.
             decoded = await asyncio.to_thread(
-                decode_tensor, encoded.header, b"".join(encoded.chunks)
+                decode_tensor,
+                encoded.header,
+                b"".join(encoded.chunks),
+                device=d.runtime.device,
             )
             own = (decoded.float().reshape(-1), own[1], own[2])
         if not peers:
@@ -290,11 +293,14 @@ class ReplicaSync:
     async def _sum(self, contributions: dict[str, Contribution]) -> Contribution:
         def add_up() -> Contribution:
             first = next(iter(contributions.values()))[0]
-            total = torch.zeros_like(first)
+            # On the stage's device, whatever device each contribution was decoded on: an
+            # elementwise fp32 sum in one order gives the same bits on a GPU and a CPU, so
+            # replicas on different devices still take identical steps.
+            total = torch.zeros_like(first, device=self.ctx.runtime.device)
             tokens = samples = 0
             for node in sorted(contributions):  # one order on every replica
                 flat, t, s = contributions[node]
-                total += flat
+                total += flat.to(total.device)
                 tokens += t
                 samples += s
             return total, tokens, samples

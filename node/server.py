@@ -42,9 +42,12 @@ MIDDLE_HOP_ATTEMPTS = 2
 
 
 async def read_forward_request(
-    requests: AsyncIterator[stage_pb2.ForwardMessage], stats: LinkStats | None = None
+    requests: AsyncIterator[stage_pb2.ForwardMessage],
+    stats: LinkStats | None = None,
+    device: torch.device | None = None,
 ) -> tuple[stage_pb2.MicrobatchHeader, torch.Tensor]:
-    """Read the header, tensor header and chunks of one Forward call, in that order."""
+    """Read the header, tensor header and chunks of one Forward call, in that order; the
+    tensor is decoded on `device` (None: the host)."""
     header: stage_pb2.MicrobatchHeader | None = None
     reader: TensorReader | None = None
     async for message in requests:
@@ -58,7 +61,7 @@ async def read_forward_request(
                 raise PeerError("the tensor header came before the microbatch header")
             if reader is not None:
                 raise PeerError("the call carries a second tensor header")
-            reader = TensorReader(message.tensor, stats)
+            reader = TensorReader(message.tensor, stats, device)
         elif kind == "chunk":
             if reader is None:
                 raise PeerError("tensor bytes came before the tensor header")
@@ -223,7 +226,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # Its parameters are not the stage's yet (it is downloading them).
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         try:
-            header, activation = await read_forward_request(request_iterator, d.stats)
+            header, activation = await read_forward_request(
+                request_iterator, d.stats, d.runtime.device
+            )
             if header.hop != d.stage:
                 raise PeerError(f"microbatch is for stage {header.hop}; this node serves {d.stage}")
             if not 1 <= header.sample_count <= MAX_SAMPLES_PER_MICROBATCH:

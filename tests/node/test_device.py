@@ -1,0 +1,112 @@
+"""Which device a node trains on: the spec, the choice among GPUs, and the refusals.
+
+The machines here are described by the memory each GPU has in use, so every branch runs
+without a GPU; tests/integration/test_training.py trains on a real one where CUDA is.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmpipe.config import load_config
+from swarmpipe.errors import ConfigError
+from swarmpipe.node.device import resolve_device, to_device
+
+
+def _machine(*used: int) -> Callable[[], Sequence[int]]:
+    return lambda: list(used)
+
+
+def test_cpu_is_always_there_and_auto_takes_it_without_a_gpu() -> None:
+    assert resolve_device("cpu", memory_used=_machine(1, 2)) == torch.device("cpu")
+    assert resolve_device("auto", memory_used=_machine()) == torch.device("cpu")
+
+
+def test_auto_takes_the_gpu_with_the_least_memory_in_use_first_on_a_tie() -> None:
+    assert resolve_device("auto", memory_used=_machine(9, 3, 5)) == torch.device("cuda", 1)
+    assert resolve_device("auto", memory_used=_machine(4, 2, 2)) == torch.device("cuda", 1)
+
+
+def test_cuda_names_the_first_gpu_and_cuda_n_the_nth() -> None:
+    assert resolve_device("cuda", memory_used=_machine(0, 0)) == torch.device("cuda", 0)
+    assert resolve_device("cuda:1", memory_used=_machine(0, 0)) == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "gpus", "said"),
+    [
+        ("gpu", 1, "--device 'gpu' is not a device; use auto, cpu, cuda or cuda:N"),
+        ("cuda:", 1, "--device 'cuda:' is not a device"),
+        ("cuda:-1", 1, "--device 'cuda:-1' is not a device"),
+        ("CPU", 0, "--device 'CPU' is not a device"),
+        ("cuda", 0, "--device cuda: this machine has no CUDA GPU"),
+        ("cuda:0", 0, "--device cuda:0: this machine has no CUDA GPU"),
+        ("cuda:2", 2, "--device cuda:2: this machine has 2 CUDA GPU(s), cuda:0 to cuda:1"),
+    ],
+)
+def test_a_device_not_here_is_one_clear_line(spec: str, gpus: int, said: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_device(spec, memory_used=_machine(*[0] * gpus))
+    assert str(caught.value).startswith(said)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_run_setting_is_checked_as_written_when_the_config_loads() -> None:
+    assert load_config(None, ["train.device=cuda:3"]).train.device == "cuda:3"
+    with pytest.raises(ConfigError, match=r"train\.device 'tpu' is not a device"):
+        load_config(None, ["train.device=tpu"])
+
+
+def test_a_tensor_already_on_the_device_is_not_copied() -> None:
+    x = torch.ones(3)
+    assert to_device(x, torch.device("cpu")) is x
+
+
+def _swarmpipe(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "swarmpipe", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+NO_CUDA = "torch sees a CUDA GPU here, so cuda is no bad input"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("words", "said"),
+    [
+        (["node", "--device", "gpu"], "--device 'gpu' is not a device"),
+        (["node", "--device", "cuda:99"], "--device cuda:99: this machine has "),
+        (["testnet", "--device", "gpu"], "--device 'gpu' is not a device"),
+        (["testnet", "--set", "model.preset=huge"], "model.preset='huge' does not exist"),
+        (["coordinator", "--set", "model.preset=large"], "model.preset='large' does not exist"),
+        (["coordinator", "--set", "train.precision=fp8"], "train.precision='fp8': use one of"),
+    ],
+)
+def test_bad_devices_and_presets_exit_2_with_one_line_before_anything_starts(
+    words: list[str], said: str, tmp_path: Path
+) -> None:
+    # Port 9 has no coordinator: a node that tried to join would wait, then exit 3.
+    extra = ["--coordinator", "127.0.0.1:9", "--join-timeout", "30"] if words[0] == "node" else []
+    if words[0] == "testnet":
+        extra = ["--out", str(tmp_path)]
+    done = _swarmpipe(*words, *extra)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert said in done.stderr and "Traceback" not in done.stderr
+    if words[0] == "testnet":
+        assert not any(tmp_path.iterdir()), "the testnet started something"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_on_a_machine_without_cuda_exits_2_before_joining() -> None:
+    done = _swarmpipe("node", "--coordinator", "127.0.0.1:9", "--device", "cuda")
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "--device cuda: this machine has no CUDA GPU" in done.stderr
