@@ -24,6 +24,8 @@ BENCHMARKS: dict[str, str] = {
     "beside hivemind's codecs when importable",
     "stage-balance": "each stage's forward+backward seconds for the cost-model cut beside "
     "equal layer counts, and the model's predicted shares beside the measured",
+    "device-codec": "a codec's encode and decode GB/s on a device beside a device-to-host "
+    "copy of the same tensor",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
 }

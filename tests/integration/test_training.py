@@ -231,3 +231,23 @@ def test_lowrank_activations_and_topk_gradients_train_end_to_end(
         link["tensors"] for link in activation
     )
     assert per_tensor == 4 + 4 * 4 * (4 * 32 + 32)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lossless_gpu_pipeline_matches_single_process_gpu(tmp_path: Path, tiny: list[str]) -> None:
+    # Three nodes share the one GPU (train.device after tiny's cpu wins); fp32 throughout.
+    on_gpu = ["train.device=cuda", "train.precision=fp32"]
+    report = run_testnet(tmp_path, tiny, 10, *on_gpu)
+    baseline = train_single_process(
+        load_config(None, [*tiny, *on_gpu, "train.steps=10"]), device="cuda"
+    )
+    losses = [s["loss"] for s in report["steps"]]
+    assert len(losses) == 10
+    for step, (got, want) in enumerate(zip(losses, baseline, strict=True)):
+        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
+    assert baseline[-1] < baseline[0], "the baseline did not learn; the test means nothing"
+    for i in range(3):
+        log = (tmp_path / "logs" / f"n{i}.log").read_text()
+        assert "fp32 on cuda:0" in log, log[-2000:]
+    assert report["counters"]["lost"] == 0

@@ -110,3 +110,48 @@ def test_cuda_on_a_machine_without_cuda_exits_2_before_joining() -> None:
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert "--device cuda: this machine has no CUDA GPU" in done.stderr
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("cpu", "cpu"),
+        pytest.param("cuda", "cpu", marks=CUDA),
+        pytest.param("cpu", "cuda", marks=CUDA),
+        pytest.param("cuda", "cuda", marks=CUDA),
+    ],
+)
+def test_state_moves_between_stages_on_any_devices_bit_for_bit(source: str, target: str) -> None:
+    from swarmpipe.node.stage_runtime import StageRuntime
+    from swarmpipe.node.stage_state import StateReceiver
+    from swarmpipe.storage.checkpoints import state_messages
+
+    config = load_config(None, ["model.d_model=32", "model.n_heads=2", "model.context=16"])
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
+    sender = StageRuntime(config, 1, source)
+    out = sender.forward("k", "mb", x)
+    sender.backward("k", torch.ones_like(out))
+    sender.apply_step(0)  # AdamW state exists now
+    receiver_runtime = StageRuntime(config, 1, target)
+    snapshot = sender.export_state(node_id="a").seal()
+    receiver = StateReceiver(
+        receiver_runtime.module, run_id=config.run_id, stage=1, num_stages=config.pipeline.stages
+    )
+    for message in state_messages(snapshot.manifest, snapshot.chunks()):
+        receiver.add(message)
+    receiver_runtime.import_state(receiver.finish())
+    assert receiver_runtime.parameter_digest() == sender.parameter_digest()
+    assert receiver_runtime.step == 1
+    params = zip(sender.module.parameters(), receiver_runtime.module.parameters(), strict=True)
+    for p, q in params:
+        assert q.device.type == target
+        mine, theirs = sender.optimizer.state[p], receiver_runtime.optimizer.state[q]
+        assert theirs["exp_avg"].device == q.device and theirs["step"].device.type == "cpu"
+        assert torch.equal(mine["exp_avg_sq"].cpu(), theirs["exp_avg_sq"].cpu())
+    # And it trains where it now lives.
+    out = receiver_runtime.forward("k", "mb2", x)
+    receiver_runtime.backward("k", torch.ones_like(out))
+    receiver_runtime.apply_step(1)
