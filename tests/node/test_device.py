@@ -17,6 +17,7 @@ import torch
 from swarmpipe.config import load_config
 from swarmpipe.errors import ConfigError
 from swarmpipe.node.device import resolve_device, to_device
+from tests.conftest import Procs
 
 
 def _machine(*used: int) -> Callable[[], Sequence[int]]:
@@ -155,3 +156,18 @@ def test_state_moves_between_stages_on_any_devices_bit_for_bit(source: str, targ
     out = receiver_runtime.forward("k", "mb2", x)
     receiver_runtime.backward("k", torch.ones_like(out))
     receiver_runtime.apply_step(1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason=NO_CUDA)
+def test_a_run_that_asks_for_cuda_sends_a_node_without_one_away_with_exit_2(
+    procs: Procs,
+) -> None:
+    # The run's own train.device is known only from JoinReply; the node then leaves with
+    # the same one line a bad --device gets, before it builds its stage.
+    target = procs.coordinator("train.device=cuda", "pipeline.stages=1")
+    popen, _ = procs.start("n0", "node", "--coordinator", target, "--node-id", "n0", ready=False)
+    assert popen.wait(timeout=120) == 2
+    log = (procs.tmp / "n0.log").read_text()
+    assert "configuration error: train.device cuda: this machine has no CUDA GPU" in log
+    assert "Traceback" not in log
