@@ -128,7 +128,8 @@ class ReplicaSync:
         if header is None or reader is None:
             raise PeerError("the reduce call ended before its headers")
         flat = (await reader.finish()).float()
-        if not bool(torch.isfinite(flat).all()):
+        # In a thread: on a GPU the scan waits for the device, which the event loop must not.
+        if not await asyncio.to_thread(lambda: bool(torch.isfinite(flat).all())):
             raise PeerError("the tensor contains NaN or infinite values")
         exchange = self._round(header.step, header.parameter_delta)
         exchange.contributions[header.sender_node] = (

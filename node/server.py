@@ -239,7 +239,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 )
             if header.gradient_codec:
                 get_codec(header.gradient_codec)  # CodecError names an unknown codec
-            runtime.check_activation(activation, header.sample_count)
+            # In a thread: its finiteness scan waits for the device when the tensor is on a
+            # GPU (behind the compute thread's queued kernels), which the event loop must not.
+            await asyncio.to_thread(runtime.check_activation, activation, header.sample_count)
             labels, tokens = decode_labels_and_tokens(header, d.config.model.vocab)
             runtime.check_tokens(tokens)
         except (PeerError, CodecError) as exc:
