@@ -3,7 +3,9 @@ beside the cut into equal layer counts, and the model's predicted shares beside 
 measured ones.
 
 A stage's time is one microbatch's forward and backward (the last stage with its loss), the
-median of `--repeats` after a warm-up, on this machine's CPU (or `--device`). `imbalance` is
+median of `--repeats` after a warm-up, on this machine's CPU (or `--device`). Each repeat
+times every stage of both cuts in turn, so a burst of load from elsewhere on a shared machine
+lands on all of them rather than on whichever stage ran then. `imbalance` is
 the slowest stage over the mean: 1.0 is a perfectly even pipeline, and the pipeline's
 throughput is bounded by the slowest stage, so `speedup_bound` (equal counts' slowest stage
 over the cost cut's) is what the cut can gain. JSON on stdout.
@@ -15,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from swarmpipe.config import add_config_arguments
@@ -63,8 +66,22 @@ def serve(args: argparse.Namespace) -> int:
         "device": str(device),
         "threads": args.threads,
     }
+    runners = {
+        name: [_stage_runner(config, r, args, device) for r in ranges]
+        for name, ranges in cuts.items()
+    }
+    times: dict[str, list[list[float]]] = {name: [[] for _ in rs] for name, rs in cuts.items()}
+    for stage_runs in runners.values():
+        for run in stage_runs:
+            run()  # warm-up: allocator, kernels
+    for _ in range(args.repeats):
+        for name, stage_runs in runners.items():
+            for i, run in enumerate(stage_runs):
+                start = time.perf_counter()
+                run()
+                times[name][i].append(time.perf_counter() - start)
     for name, ranges in cuts.items():
-        seconds = [_time_stage(config, r, args, device) for r in ranges]
+        seconds = [statistics.median(t) for t in times[name]]
         predicted = [sum(costs[i] for i in r) for r in ranges]
         result[name] = {
             "layers": [[r.start, r.stop] for r in ranges],
@@ -88,8 +105,10 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _time_stage(config: Any, layers: range, args: argparse.Namespace, device: Any) -> float:
-    """Median seconds of one microbatch's forward and backward through these layers."""
+def _stage_runner(
+    config: Any, layers: range, args: argparse.Namespace, device: Any
+) -> Callable[[], None]:
+    """One microbatch's forward and backward through these layers, as a call to time."""
     import torch
 
     from swarmpipe.model.gpt import build_gpt_layer
@@ -113,10 +132,4 @@ def _time_stage(config: Any, layers: range, args: argparse.Namespace, device: An
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    once()  # warm-up: allocator, kernels
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return once
