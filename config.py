@@ -32,6 +32,16 @@ _CODEC_ENUMS = {
 }
 CODEC_NAMES = tuple(_CODEC_ENUMS)
 SYNC_MODES = ("every_step", "diloco")
+PRECISIONS = ("fp32", "bf16")
+"""`train.precision`: fp32 everywhere, or bf16 autocast over fp32 master weights."""
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layers": 5, "d_model": 128, "n_heads": 4, "context": 64},
+    "small": {"n_layers": 12, "d_model": 768, "n_heads": 12, "context": 256},
+    "medium": {"n_layers": 28, "d_model": 1024, "n_heads": 16, "context": 256},
+}
+"""`model.preset`: the built-in GPT's shape by name (byte vocabulary). Parameters, exactly:
+tiny 1,065,344; small 85,645,824; medium 353,482,752 (tests/model/test_presets.py)."""
+_DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 DEFAULT_AUTO_CODECS = ("lossless", "fp16", "bf16", "int8", "int4")
 """Auto mode's ladder unless a run sets its own: the dense codecs, least lossy first."""
 
@@ -68,6 +78,15 @@ def codec_name(value: int) -> str:
     return "unknown"
 
 
+def check_device_spec(spec: str, *, what: str) -> None:
+    """ConfigError unless `spec` is written as a device (whether it exists is checked where
+    the node starts: node/device.py)."""
+    kind, sep, index = spec.partition(":")
+    if spec in ("auto", "cpu", "cuda") or (kind == "cuda" and sep and index.isdigit()):
+        return
+    raise ConfigError(f"{what} {spec!r} is not a device; use {_DEVICE_FORMS}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """The GPT-style decoder, or a user factory that returns the model as a list of layers."""
@@ -98,8 +117,14 @@ class ModelConfig:
     bottleneck_lr_scale: float = 0.1
     """Learning rate of the boundary projections relative to train.lr (model/bottleneck.py
     `build_optimizer` says why they need a smaller one)."""
+    preset: str = ""
+    """A named shape of the built-in GPT that sets n_layers, d_model, n_heads and context:
+    "tiny" (about 1M parameters), "small" (about 85M) or "medium" (about 350M); empty uses
+    those fields as given. Setting one of them to another value beside a preset is an error."""
 
     def __post_init__(self) -> None:
+        if self.preset:
+            self._apply_preset()
         if self.n_layers < 1 or self.d_model < 1 or self.context < 1 or self.vocab < 2:
             raise ConfigError("model.n_layers, d_model, context must be >= 1 and vocab >= 2")
         if self.n_heads < 1 or self.d_model % self.n_heads:
@@ -133,6 +158,26 @@ class ModelConfig:
                 "model.bottleneck works with the built-in GPT only; a model.factory model "
                 "can put its own narrowing layers at its stage cuts; set model.bottleneck=0"
             )
+
+    def _apply_preset(self) -> None:
+        """Fill the shape fields from `preset`, refusing one set to something else beside it."""
+        shape = MODEL_PRESETS.get(self.preset)
+        if shape is None:
+            raise ConfigError(
+                f"model.preset={self.preset!r} does not exist; use one of "
+                f"{', '.join(MODEL_PRESETS)} (or leave it empty)"
+            )
+        if self.factory:
+            raise ConfigError("model.preset shapes the built-in GPT; leave it empty with a factory")
+        for name, value in shape.items():
+            current = getattr(self, name)
+            default = ModelConfig.__dataclass_fields__[name].default
+            if current not in (default, value):
+                raise ConfigError(
+                    f"model.{name}={current} conflicts with model.preset={self.preset!r}, "
+                    f"which sets it to {value}; drop one of the two"
+                )
+            object.__setattr__(self, name, value)  # frozen: set once, while being built
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,8 +223,20 @@ class TrainConfig:
     parameters the step trains from, and does not count as training samples."""
     eval_samples: int = 64
     """Held-out samples per evaluation: always the first ones, so evaluations compare."""
+    precision: str = "fp32"
+    """"fp32", or "bf16": forward and backward under bfloat16 autocast (CPU and CUDA) with
+    fp32 parameters, gradients and AdamW state, so only the matmuls lose precision."""
+    device: str = "auto"
+    """Where each node's stage trains unless its `swarmpipe node --device` says otherwise:
+    "auto" (the CUDA GPU with the least memory in use, else the CPU), "cpu", "cuda" (the
+    current GPU) or "cuda:N"."""
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"train.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}"
+            )
+        check_device_spec(self.device, what="train.device")
         if self.eval_every < 0:
             raise ConfigError("train.eval_every must be >= 0 (0 turns evaluation off)")
         if self.eval_samples < 1:

@@ -142,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
     if min(args.steps, args.seeds, args.jobs, args.threads, args.eval_samples) < 1:
         raise SystemExit("--steps, --seeds, --jobs, --threads and --eval-samples must be >= 1")
     config = load_config(None, args.set)  # a bad --set fails here, before any work
-    check_device(args.device)
+    args.device = check_device(args.device)
     if config.model.bottleneck:
         raise SystemExit("leave model.bottleneck unset: the bottleneck and twin rows set it")
     if config.model.bottleneck_recent != 1:

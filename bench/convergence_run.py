@@ -51,7 +51,6 @@ class SimulatedPipeline:
         self, overrides: Sequence[str], setting: BoundarySetting, device: str = "cpu"
     ) -> None:
         from swarmpipe.config import load_config
-        from swarmpipe.model.bottleneck import build_optimizer
         from swarmpipe.node.stage_runtime import StageRuntime
         from swarmpipe.node.transport import EncodeOptions
 
@@ -68,14 +67,11 @@ class SimulatedPipeline:
         # (error feedback, warm starts), so each hop encodes exactly as a node would.
         self.options = EncodeOptions.from_pipeline(self.config.pipeline)
         self._states: dict[tuple[int, str], EncoderState] = {}
-        self.runtimes = [StageRuntime(self.config, s) for s in range(self.config.pipeline.stages)]
-        # Built on the CPU, so every device starts from the same weights; then moved, and
-        # the optimizer rebuilt over the moved parameters (it holds no state yet).
+        # A stage builds on the CPU, so every device starts from the same weights.
         self.device = device
-        if device != "cpu":
-            for runtime in self.runtimes:
-                runtime.module.to(device)
-                runtime.optimizer = build_optimizer(runtime.module, self.config)
+        self.runtimes = [
+            StageRuntime(self.config, s, device) for s in range(self.config.pipeline.stages)
+        ]
         self.hops = len(self.runtimes) - 1
         # Bytes over every hop, and the tokens that crossed each hop, since the start.
         self.wire = {"activation": 0, "gradient": 0, "token_ids": 0, "microbatch_header": 0}
@@ -295,15 +291,9 @@ def train_all(
             yield future.result()
 
 
-def check_device(device: str) -> None:
-    """SystemExit unless torch can train on `device` here."""
-    import torch
+def check_device(device: str) -> str:
+    """The torch device `device` (a node's --device spec) names here, as a string;
+    ConfigError (one line, exit 2) unless it exists."""
+    from swarmpipe.node.device import resolve_device
 
-    try:
-        kind = torch.device(device).type
-    except RuntimeError as exc:
-        raise SystemExit(f"--device {device!r} is not a torch device: {exc}") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {device!r}: torch sees no CUDA device here")
-    if kind not in ("cpu", "cuda"):
-        raise SystemExit(f"--device {device!r}: the bench trains on cpu or cuda")
+    return str(resolve_device(device))

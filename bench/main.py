@@ -25,6 +25,10 @@ BENCHMARKS: dict[str, str] = {
     "hostile": "the loss curve with one replica sending noise (or x F) at every reduce, "
     "beside a clean run, and whom the coordinator benched",
     "state-db": "milliseconds per coordinator state-database transaction, NORMAL beside FULL",
+    "stage-balance": "each stage's forward+backward seconds for the cost-model cut beside "
+    "equal layer counts, and the model's predicted shares beside the measured",
+    "device-codec": "a codec's encode and decode GB/s on a device beside a device-to-host "
+    "copy of the same tensor",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
 }

@@ -36,14 +36,17 @@ def single_process(overrides: list[str], steps: int) -> dict[str, Any]:
     import torch
 
     from swarmpipe.model.reference import train_single_process
+    from swarmpipe.node.device import resolve_device
 
     config = load_config(None, [*overrides, f"train.steps={steps + 1}"])
+    # Where the testnet's nodes train (train.device), so the ratio compares like with like.
+    device = resolve_device(config.train.device, what="train.device")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     # One warm-up step outside the timing: the first step pays for allocator
     # growth and lazy initialisation.
-    train_single_process(config, steps=1)
+    train_single_process(config, steps=1, device=device)
     start = time.perf_counter()
-    losses = train_single_process(config, steps=steps)
+    losses = train_single_process(config, steps=steps, device=device)
     seconds = time.perf_counter() - start
     samples = steps * config.train.global_batch
     return {
@@ -51,6 +54,7 @@ def single_process(overrides: list[str], steps: int) -> dict[str, Any]:
         "seconds": seconds,
         "final_loss": losses[-1],
         "torch_threads": torch.get_num_threads(),
+        "device": str(device),
     }
 
 

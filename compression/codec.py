@@ -327,7 +327,9 @@ class TensorCodec(abc.ABC):
         already checked): the result may share its memory, so the caller must not touch `raw`
         again."""
         if device is not None:
-            raw = raw.to(device)
+            # Only the compact payload crosses to the device; from pinned memory, the copy is
+            # queued on the current stream and later ops on it wait for it.
+            raw = raw.to(device, non_blocking=raw.is_pinned())
         return self._decode_flat(header, raw).view(tuple(header.shape))
 
     def check_header(self, header: tensor_pb2.TensorHeader) -> None:

@@ -8,6 +8,10 @@ single-process baseline starts. With `model.bottleneck` on, each cut between
 stages also gets a learned boundary (model/bottleneck.py): a down-projection
 ends the stage before it and an up-projection starts the stage after it, in
 the pipeline and in the single-process baseline alike.
+
+The built-in GPT is cut where each stage gets the same compute by a cost model
+(model/stage_cost.py); a factory's layers, whose cost nothing here knows, are cut
+into equal counts.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from swarmpipe.config import RunConfig
 from swarmpipe.errors import ConfigError
 from swarmpipe.model.bottleneck import BottleneckUp, build_bottleneck_down, build_bottleneck_up
 from swarmpipe.model.gpt import build_gpt_layer
+from swarmpipe.model.stage_cost import gpt_stage_ranges
 
 
 class StageModule(nn.Sequential):
@@ -138,7 +143,7 @@ def build_stage(cfg: RunConfig, stage: int) -> StageModule:
         layers = _factory_layers(cfg)
         mine = stage_layer_ranges(len(layers), stages)[stage]
         return StageModule(*layers[mine.start : mine.stop])
-    ranges = stage_layer_ranges(cfg.model.n_layers + 2, stages)
+    ranges = gpt_stage_ranges(cfg.model, stages)
     return StageModule(*_gpt_stage_modules(cfg, stage, ranges))
 
 
@@ -148,7 +153,7 @@ def stage_module_counts(cfg: RunConfig) -> list[int]:
     stages = cfg.pipeline.stages
     if cfg.model.factory:
         return [len(r) for r in stage_layer_ranges(n_model_layers(cfg), stages)]
-    counts = [len(r) for r in stage_layer_ranges(cfg.model.n_layers + 2, stages)]
+    counts = [len(r) for r in gpt_stage_ranges(cfg.model, stages)]
     if cfg.model.bottleneck:  # a down-projection ends, an up-projection starts, each cut
         counts = [n + (s > 0) + (s < stages - 1) for s, n in enumerate(counts)]
     return counts
@@ -158,7 +163,7 @@ def build_full_model(cfg: RunConfig) -> StageModule:
     """Every module in one, the bottleneck boundaries included: the single-process baseline."""
     if cfg.model.factory:
         return StageModule(*_factory_layers(cfg))
-    ranges = stage_layer_ranges(cfg.model.n_layers + 2, cfg.pipeline.stages)
+    ranges = gpt_stage_ranges(cfg.model, cfg.pipeline.stages)
     return StageModule(*[m for s in range(len(ranges)) for m in _gpt_stage_modules(cfg, s, ranges)])
 
 

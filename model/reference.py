@@ -24,11 +24,13 @@ def train_single_process(
     evals: list[tuple[int, float]] | None = None,
     *,
     model: nn.Module | None = None,
+    device: torch.device | str = "cpu",
 ) -> list[float]:
     """Train cfg's model in this process; return the mean token loss of each step.
 
     `model` is trained in place when given (a fresh `build_full_model(cfg)`, kept by a
-    caller that compares parameters afterwards); by default one is built here.
+    caller that compares parameters afterwards); by default one is built here. It trains on
+    `device`, under bfloat16 autocast when train.precision is "bf16", as a stage does.
 
     Step s uses samples [s*G, (s+1)*G) with G = train.global_batch, cut into
     microbatches of train.microbatch (the last may be smaller); `steps`
@@ -38,7 +40,9 @@ def train_single_process(
     """
     if model is None:
         model = build_full_model(cfg)
-    model.train()
+    device = torch.device(device)
+    model.to(device).train()
+    autocast = cfg.train.precision == "bf16"
     corpus = Corpus.load(cfg.data, cfg.model.context, cfg.train.seed)
     t = cfg.train
     optimizer = build_optimizer(model, cfg)
@@ -52,7 +56,10 @@ def train_single_process(
         for offset in range(0, t.global_batch, t.microbatch):
             count = min(t.microbatch, t.global_batch - offset)
             x, y = corpus.samples(base + offset, count)  # each [count, T]
-            loss = token_loss_sum(model(x), y)
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x)
+            loss = token_loss_sum(logits, y)
             torch.autograd.backward(loss)
             loss_sum += float(loss.detach())
             tokens += y.numel()
@@ -73,8 +80,10 @@ def train_single_process(
 def evaluate(model_or_layers: nn.Module | Sequence[nn.Module], corpus: Corpus, count: int) -> float:
     """Mean token loss on the first `count` held-out samples (a model, its stages or layers)."""
     x, y = corpus.heldout(count)  # each [count, T]
-    out = x
     layers = [model_or_layers] if isinstance(model_or_layers, nn.Module) else model_or_layers
+    device = next((p.device for layer in layers for p in layer.parameters()), x.device)
+    x, y = x.to(device), y.to(device)
+    out = x
     for layer in layers:
         # A stage may re-add token embeddings (model.bottleneck) and takes the ids too.
         out = layer(out, x) if isinstance(layer, StageModule) else layer(out)  # [count, T, V]

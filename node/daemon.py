@@ -41,6 +41,7 @@ from swarmpipe.errors import PeerError, SwarmpipeError
 from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
+from swarmpipe.node.device import describe_device, resolve_device
 from swarmpipe.node.head import Head
 from swarmpipe.node.links import Links
 from swarmpipe.node.metrics import node_families
@@ -105,6 +106,8 @@ class NodeOptions:
     """(host, port) of the Prometheus endpoint (port 0: any free one); None: no metrics."""
     token: str = field(default="", repr=False)
     """The join token the organiser gave (empty: an open loopback run needs none)."""
+    device: str = ""
+    """Where the stage trains (node/device.py); empty: the run's train.device."""
 
 
 def _route_host(target_host: str) -> str:
@@ -150,6 +153,8 @@ class NodeDaemon:
         """The organiser revoked this node's join token (node/main.py exits 4)."""
         self.router = Router(self.node_id, self.stats, self.links, credential=self.credential)
         self._channel = open_channel(options.coordinator, self.credential)
+        self.device = torch.device("cpu")
+        """The stage's device, resolved at Join and kept across moves."""
         self.coordinator = CoordinatorClient(self._channel, options.coordinator)
         self.servicer = StageServicer(self.node_id, self.status, self.peer_admission)
         self.joined: _Joined | None = None
@@ -195,6 +200,7 @@ class NodeDaemon:
         # Absurd activations and gradients are refused and their senders reported.
         reporter = PeerReporter(self.node_id, self.coordinator.stub)
         self.router.guard = TensorGuard(config.robust, reporter)
+        self.router.decode_device = runtime.device
         return joined
 
     # -- lifecycle ------------------------------------------------------
@@ -237,15 +243,23 @@ class NodeDaemon:
                 limit_bytes_per_second=self.link_settings.limit,
                 options=EncodeOptions.from_pipeline(config.pipeline),
             )
-            runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
+            # A --device was checked before Join (node/main.py); the run's own setting can
+            # only be checked now, and a device missing here is the same one line and exit 2.
+            device = self.device = resolve_device(
+                self.options.device or config.train.device,
+                what="--device" if self.options.device else "train.device",
+            )
+            runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage, device))
             joined = self.joined = self._build(config, stage, runtime)
             n_params = sum(p.numel() for p in runtime.module.parameters())
             logger.info(
-                "joined run %r as stage %d of %d (%d parameters), serving on %s:%d",
+                "joined run %r as stage %d of %d (%d parameters, %s on %s), serving on %s:%d",
                 reply.run_id,
                 stage,
                 config.pipeline.stages,
                 n_params,
+                config.train.precision,
+                describe_device(device),
                 host,
                 port,
             )
@@ -468,7 +482,8 @@ class NodeDaemon:
         while self.status.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         config = old.ctx.config
-        runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
+        device = self.device
+        runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage, device))
         joined = self.joined = self._build(config, stage, runtime)
         self.peer_admission.stage = stage
         self._applying.clear()  # step numbers of the old stage's applies

@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token", default="", help="the join token itself (visible in `ps`: prefer --token-file)"
     )
+    parser.add_argument(
+        "--device",
+        default="",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="where this node's stage trains (auto: the GPU with the least memory in use, "
+        "else the CPU); default: the run's train.device",
+    )
     add_metrics_arguments(parser)
 
 
@@ -110,6 +117,12 @@ async def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--broker-retry {args.broker_retry:g}: give 0 < seconds <= 600")
     if args.node_id == ALL:
         raise ConfigError(f"--node-id {ALL!r} is reserved: it addresses every node of a run")
+    if args.device:
+        # Before anything is joined: a node that cannot train where it was told to leaves
+        # no trace in the swarm.
+        from swarmpipe.node.device import resolve_device
+
+        resolve_device(args.device)
     token = join_token(args)
     set_torch_threads(args.threads)
     options = NodeOptions(
@@ -125,6 +138,7 @@ async def serve(args: argparse.Namespace) -> int:
         link_mbit=args.link_mbit,
         metrics=metrics,
         token=token,
+        device=args.device,
     )
     # Until it knows its stage (daemon.py adds it at Join), a node's lines carry its id.
     set_log_identity(f"node {options.node_id}", node=options.node_id)

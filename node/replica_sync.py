@@ -162,7 +162,7 @@ class ReplicaSync:
                 want = [runtime.n_parameters]
                 if list(message.tensor.shape) != want:
                     raise PeerError(f"tensor shape {list(message.tensor.shape)} is not {want}")
-                reader = TensorReader(message.tensor, self.ctx.stats)
+                reader = TensorReader(message.tensor, self.ctx.stats, runtime.device)
             elif kind == "chunk" and reader is not None:
                 reader.add(message.chunk.data)
             else:
@@ -266,7 +266,10 @@ class ReplicaSync:
             # Add what the others will decode, not the exact vector, so every
             # replica sums the very same numbers.
             decoded = await asyncio.to_thread(
-                decode_tensor, encoded.header, b"".join(encoded.chunks)
+                decode_tensor,
+                encoded.header,
+                b"".join(encoded.chunks),
+                device=d.runtime.device,
             )
             own = (decoded.float().reshape(-1), own[1], own[2])
         if not peers:

@@ -77,6 +77,8 @@ class Router:
         """What every call to a peer carries (the node's credential, once it joined)."""
         self.stats = stats
         self.links = links
+        self.decode_device: torch.device | None = None
+        """Where gradients coming back are decoded: the stage's device, set once joined."""
         self.plan: control_pb2.Plan | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: dict[str, int] = defaultdict(int)
@@ -205,7 +207,7 @@ class Router:
                 if kind == "tensor":
                     if reader is not None:
                         raise PeerError("peer sent a second gradient header")
-                    reader = TensorReader(message.tensor, self.stats)
+                    reader = TensorReader(message.tensor, self.stats, self.decode_device)
                 elif kind == "chunk":
                     if reader is None:
                         raise PeerError("peer sent gradient bytes before their header")

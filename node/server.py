@@ -43,9 +43,12 @@ MIDDLE_HOP_ATTEMPTS = 2
 
 
 async def read_forward_request(
-    requests: AsyncIterator[stage_pb2.ForwardMessage], stats: LinkStats | None = None
+    requests: AsyncIterator[stage_pb2.ForwardMessage],
+    stats: LinkStats | None = None,
+    device: torch.device | None = None,
 ) -> tuple[stage_pb2.MicrobatchHeader, torch.Tensor]:
-    """Read the header, tensor header and chunks of one Forward call, in that order."""
+    """Read the header, tensor header and chunks of one Forward call, in that order; the
+    tensor is decoded on `device` (None: the host)."""
     header: stage_pb2.MicrobatchHeader | None = None
     reader: TensorReader | None = None
     async for message in requests:
@@ -59,7 +62,7 @@ async def read_forward_request(
                 raise PeerError("the tensor header came before the microbatch header")
             if reader is not None:
                 raise PeerError("the call carries a second tensor header")
-            reader = TensorReader(message.tensor, stats)
+            reader = TensorReader(message.tensor, stats, device)
         elif kind == "chunk":
             if reader is None:
                 raise PeerError("tensor bytes came before the tensor header")
@@ -250,7 +253,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # Its parameters are not the stage's yet (it is downloading them).
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         try:
-            header, activation = await read_forward_request(request_iterator, d.stats)
+            header, activation = await read_forward_request(
+                request_iterator, d.stats, d.runtime.device
+            )
             caller = self._caller(context)
             if caller is not None and header.sender_node and header.sender_node != caller:
                 raise PeerError(
@@ -266,7 +271,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 )
             if header.gradient_codec:
                 get_codec(header.gradient_codec)  # CodecError names an unknown codec
-            runtime.check_activation(activation, header.sample_count)
+            # In a thread: its finiteness scan waits for the device when the tensor is on a
+            # GPU (behind the compute thread's queued kernels), which the event loop must not.
+            await asyncio.to_thread(runtime.check_activation, activation, header.sample_count)
             if d.router.guard is not None:  # the node's one guard (node/tensor_guard.py)
                 sender = header.sender_node or header.origin_node
                 d.router.guard.check("activation", activation, sender=sender, step=header.step)

@@ -14,12 +14,22 @@ ran), the repeat only computes the input gradient the sender needs.
 With `model.bottleneck` on, a stage after the first starts with an up-projection
 that re-adds token embeddings: it takes k-wide activations and the microbatch's
 token ids, and its input gradient is k wide too.
+
+Device and precision: the stage's parameters, gradients and AdamW state live on
+`device` (node/device.py picks it) in fp32. Every method takes tensors wherever
+they are (decoded on the host or on the device) and moves them there; what it
+returns stays on the device, so the codec encodes it there and only the
+payload crosses to the host. With `train.precision = "bf16"` forward runs under
+bfloat16 autocast (backward follows the same casts); parameters, their
+gradients and the optimizer stay fp32, and the loss is summed in fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +37,7 @@ import torch
 from swarmpipe.config import RunConfig
 from swarmpipe.errors import PeerError
 from swarmpipe.model import build_optimizer, build_stage, token_loss_sum
+from swarmpipe.node.device import to_device
 from swarmpipe.node.diloco import OuterOptimizer
 from swarmpipe.node.stage_state import ReceivedState, StateSnapshot, take_snapshot
 
@@ -50,13 +61,16 @@ class LastStageResult:
 class StageRuntime:
     """Forward, backward, accumulation and the optimizer step of one pipeline stage."""
 
-    def __init__(self, config: RunConfig, stage: int) -> None:
+    def __init__(self, config: RunConfig, stage: int, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.stage = stage
+        self.device = torch.device(device)
         self.num_stages = config.pipeline.stages
         self.is_first = stage == 0
         self.is_last = stage == self.num_stages - 1
-        self.module = build_stage(config, stage)
+        # Built on the host (each layer from its own seeded CPU generator, so every device
+        # starts from the same numbers), then moved before the optimizer sees it.
+        self.module = build_stage(config, stage).to(self.device)
         self.module.train()
         # Whether forward needs the microbatch's token ids beside the activations.
         self.needs_tokens = self.module.needs_tokens
@@ -113,9 +127,20 @@ class StageRuntime:
     # -- compute -----------------------------------------------------------
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_device(x, self.device)
         if self.is_first:
             return x
         return x.detach().float().requires_grad_(True)
+
+    def _on_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else to_device(t, self.device)
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        """bfloat16 autocast on the stage's device under train.precision = "bf16"."""
+        enabled = self.config.train.precision == "bf16"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled):
+            yield
 
     def forward(
         self, key: str, microbatch_id: str, x: torch.Tensor, tokens: torch.Tensor | None = None
@@ -125,7 +150,8 @@ class StageRuntime:
         `tokens` [B, T] are the microbatch's ids, needed after a bottleneck boundary.
         """
         inputs = self._prepare(x)
-        outputs: torch.Tensor = self.module(inputs, tokens)
+        with self._autocast():
+            outputs: torch.Tensor = self.module(inputs, self._on_device(tokens))
         self._saved[key] = _Saved(microbatch_id, inputs, outputs)
         return outputs.detach()
 
@@ -139,7 +165,7 @@ class StageRuntime:
             )
         if not bool(torch.isfinite(grad_output).all()):
             raise PeerError("gradient contains NaN or infinite values")
-        grad = grad_output.to(saved.outputs.dtype)
+        grad = to_device(grad_output, self.device).to(saved.outputs.dtype)
         return self._backprop(saved, saved.outputs, grad)
 
     def forward_last(
@@ -151,7 +177,9 @@ class StageRuntime:
     ) -> LastStageResult:
         """The last stage: forward, loss, and backward at once."""
         inputs = self._prepare(x)
-        logits = self.module(inputs, tokens)
+        labels = to_device(labels, self.device)
+        with self._autocast():
+            logits = self.module(inputs, self._on_device(tokens))
         loss = token_loss_sum(logits, labels)
         saved = _Saved(microbatch_id, inputs, logits)
         grad_input = self._backprop(saved, loss, None)
@@ -160,7 +188,10 @@ class StageRuntime:
     @torch.no_grad()
     def forward_eval(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Forward only, for evaluation: nothing is saved and no gradient will come back."""
-        return self.module(x if self.is_first else x.float(), tokens)  # type: ignore[no-any-return]
+        x = to_device(x, self.device)
+        with self._autocast():
+            out = self.module(x if self.is_first else x.float(), self._on_device(tokens))
+        return out  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def evaluate_last(
@@ -168,7 +199,8 @@ class StageRuntime:
     ) -> LastStageResult:
         """The last stage of an evaluation: forward and the summed token loss, no backward."""
         logits = self.forward_eval(x, tokens)
-        return LastStageResult(None, float(token_loss_sum(logits, labels)), labels.numel())
+        loss = token_loss_sum(logits, to_device(labels, self.device))
+        return LastStageResult(None, float(loss), labels.numel())
 
     def _backprop(
         self, saved: _Saved, outputs: torch.Tensor, grad: torch.Tensor | None
@@ -233,7 +265,7 @@ class StageRuntime:
             offset = 0
             for p in self.module.parameters():
                 n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
+                p.grad = flat[offset : offset + n].view_as(p).to(p.device, p.dtype, copy=True)
                 offset += n
         else:
             tokens, samples = self.tokens_accumulated, self.samples_accumulated
@@ -273,14 +305,15 @@ class StageRuntime:
         Ends `step` (its inner step was applied with advance=False).
         """
         assert self.outer is not None
-        self.outer.step(reduced[0], reduced[2])
+        self.outer.step(to_device(reduced[0], self.device), reduced[2])
         self.step = step + 1
 
     def parameter_digest(self) -> str:
         """A short hash of the parameters: equal on replicas that stayed in step."""
         h = hashlib.sha256()
         for p in self.module.parameters():
-            h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            host = p.detach().reshape(-1).contiguous().cpu()
+            h.update(host.view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
     # -- state transfer and checkpoints (compute thread) -----------------

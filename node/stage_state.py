@@ -105,7 +105,9 @@ def take_snapshot(
     tensors: list[torch.Tensor] = []
 
     def add(name: str, t: torch.Tensor) -> None:
-        t = t.detach().contiguous()
+        # Host bytes whatever device the stage trains on: the stream and the checkpoint file
+        # are the same for a GPU node and a CPU node, so either can load the other's.
+        t = t.detach().contiguous().cpu()
         entries.append(state_pb2.StateTensor(name=name, dtype=dtype_enum(t.dtype), shape=t.shape))
         tensors.append(t.reshape(-1).view(torch.uint8))
 
@@ -249,9 +251,12 @@ class ReceivedState:
                 offset += n
                 key, _, name = t.name.partition(":")
                 if key == "param":
-                    params[name].copy_(value)
-                else:
+                    params[name].copy_(value)  # onto the parameter's device
+                elif key == "step":
+                    # AdamW keeps its step count on the host unless it runs capturable/fused.
                     adam.setdefault(name, {})[key] = value.clone()
+                else:
+                    adam.setdefault(name, {})[key] = value.to(params[name].device, copy=True)
         optimizer.state.clear()
         for name, state in adam.items():
             optimizer.state[params[name]] = state

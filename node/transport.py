@@ -145,10 +145,19 @@ async def encode(
 class TensorReader:
     """Collects one tensor from a header and chunk messages; bounded by the header."""
 
-    def __init__(self, header: tensor_pb2.TensorHeader, stats: LinkStats | None = None) -> None:
+    def __init__(
+        self,
+        header: tensor_pb2.TensorHeader,
+        stats: LinkStats | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """`device` is where the tensor is decoded and returned (None: the host); for a GPU
+        the payload gathers in pinned host memory and only it is copied there."""
         # TensorAssembler checks the header (sizes, codec, dtype) before any
         # payload is buffered, so a hostile header costs nothing.
-        self._assembler = TensorAssembler(header, max_bytes=MAX_TENSOR_BYTES)
+        on_gpu = device is not None and device.type == "cuda"
+        self._assembler = TensorAssembler(header, max_bytes=MAX_TENSOR_BYTES, pin_memory=on_gpu)
+        self._device = device
         self.header = header
         self._stats = stats
 
@@ -167,7 +176,7 @@ class TensorReader:
                 f"stream ended after {self._assembler.received} of "
                 f"{self.header.payload_bytes} tensor bytes"
             )
-        return await asyncio.to_thread(self._assembler.finish)
+        return await asyncio.to_thread(self._assembler.finish, device=self._device)
 
 
 class LinkStats:

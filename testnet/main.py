@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress lines")
     parser.add_argument(
+        "--device",
+        default="",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="every node's --device (several nodes may share one GPU); default: train.device",
+    )
+    parser.add_argument(
         "--link-mbit",
         type=float,
         help="limit every link to this many Mbit/s in each direction (pipeline.link_mbit)",
@@ -140,6 +146,10 @@ async def serve(args: argparse.Namespace) -> int:
             "give at least one node per stage"
         )
     parse_profiles(args.node_profile, args.nodes)  # a bad profile fails before anything starts
+    if args.device:  # as a node would refuse it, but before any process starts
+        from swarmpipe.node.device import resolve_device
+
+        resolve_device(args.device)
     churn = ChurnPlan(
         parse_schedule(args.churn),
         random_rate_per_min=args.churn_random,
@@ -228,6 +238,8 @@ class Testnet:
         ]
         if self.args.broker:
             node_args += ["--broker", self.args.broker]
+        if self.args.device:
+            node_args += ["--device", self.args.device]
         profile = self.profiles.get(name)
         if profile is not None:
             node_args += profile.node_args()

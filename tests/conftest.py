@@ -31,6 +31,9 @@ TINY = [
     "train.global_batch=16",
     "train.microbatch=4",
     "train.lr=0.003",
+    # Every node on the CPU even where a GPU is free, so equality with the CPU baseline
+    # holds on any machine; the GPU tests set train.device=cuda after these.
+    "train.device=cpu",
 ]
 
 

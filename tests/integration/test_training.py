@@ -231,3 +231,45 @@ def test_lowrank_activations_and_topk_gradients_train_end_to_end(
         link["tensors"] for link in activation
     )
     assert per_tensor == 4 + 4 * 4 * (4 * 32 + 32)
+
+
+@pytest.mark.slow
+def test_bf16_trains_through_real_nodes_beside_single_process_bf16(
+    tmp_path: Path, tiny: list[str]
+) -> None:
+    # With a bottleneck, what crosses each boundary is the down-projection's bf16 output
+    # (autocast), so the wire and the receiving stage see bf16 tensors too.
+    steps = 12
+    settings = ["train.precision=bf16", "model.bottleneck=8"]
+    report = run_testnet(tmp_path, tiny, steps, *settings)
+    baseline = train_single_process(load_config(None, [*tiny, *settings, f"train.steps={steps}"]))
+    losses = [s["loss"] for s in report["steps"]]
+    assert baseline[-1] < baseline[0] * 0.9, "the baseline did not learn; the test means nothing"
+    assert losses[-1] < losses[0] * 0.9, losses
+    # Same casts in the same places; only the order of bf16 sums may differ between them.
+    assert abs(losses[-1] - baseline[-1]) <= 0.02 * baseline[-1], (losses, baseline)
+    activation_bytes = sum(
+        link["bytes"] for link in report["links"] if link["direction"] == "activation"
+    )
+    assert activation_bytes == report["counters"]["committed"] * 2 * 32 * 8 * 2  # bf16: 2 bytes
+    assert report["counters"]["lost"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lossless_gpu_pipeline_matches_single_process_gpu(tmp_path: Path, tiny: list[str]) -> None:
+    # Three nodes share the one GPU (train.device after tiny's cpu wins); fp32 throughout.
+    on_gpu = ["train.device=cuda", "train.precision=fp32"]
+    report = run_testnet(tmp_path, tiny, 10, *on_gpu)
+    baseline = train_single_process(
+        load_config(None, [*tiny, *on_gpu, "train.steps=10"]), device="cuda"
+    )
+    losses = [s["loss"] for s in report["steps"]]
+    assert len(losses) == 10
+    for step, (got, want) in enumerate(zip(losses, baseline, strict=True)):
+        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
+    assert baseline[-1] < baseline[0], "the baseline did not learn; the test means nothing"
+    for i in range(3):
+        log = (tmp_path / "logs" / f"n{i}.log").read_text()
+        assert "fp32 on cuda:0" in log, log[-2000:]
+    assert report["counters"]["lost"] == 0
