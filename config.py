@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmpipe.errors import ConfigError
-from swarmpipe.transport.limits import MBIT, check_limit
+from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
 
 # Config names of the codecs and the schema enum each maps to (see protos/tensor.proto).
 _CODEC_ENUMS = {
@@ -221,6 +221,11 @@ class PipelineConfig:
     limited on its own, like a full-duplex line); 0 means unlimited, else 0.001 (1 kbit/s) to
     1e7 (10 Tbit/s). For testnets and experiments on fast networks; `swarmpipe node
     --link-mbit` overrides it per node, and `swarmpipe link-limit` changes it during a run."""
+    link_latency_ms: float = 0.0
+    """One-way delay, in ms, added to everything each node sends to each peer, after the
+    send limit releases it (0 to 10000; 0: none): a long line's latency, which costs time
+    but not throughput. For testnets; `swarmpipe node --latency-ms` overrides it per node,
+    and `swarmpipe link-limit --latency-ms` changes it during a run."""
     int8_block_size: int = 256
     """Elements per absmax block of the int8 and int4 codecs."""
     int8_channel_blocks: bool = True
@@ -299,6 +304,9 @@ class PipelineConfig:
                     + (f" ({', '.join(map(repr, unknown))} unknown)" if unknown else "")
                 )
         check_limit(self.link_mbit * MBIT, what=f"pipeline.link_mbit={self.link_mbit}")
+        check_latency_ms(
+            self.link_latency_ms, what=f"pipeline.link_latency_ms={self.link_latency_ms}"
+        )
         if self.int8_block_size < 1:
             raise ConfigError("pipeline.int8_block_size must be >= 1")
         unknown = [r for r in self.stochastic_rounding if r not in ROUNDING_ROLES]

@@ -90,6 +90,8 @@ class NodeOptions:
     ready_file: str = ""
     link_mbit: float | None = None
     """Send limit per peer in Mbit/s overriding the run's pipeline.link_mbit; 0: unlimited."""
+    latency_ms: float | None = None
+    """One-way delay per peer in ms overriding the run's pipeline.link_latency_ms; 0: none."""
     metrics: tuple[str, int] | None = None
     """(host, port) of the Prometheus endpoint (port 0: any free one); None: no metrics."""
 
@@ -206,8 +208,13 @@ class NodeDaemon:
             if link_mbit is None:
                 link_mbit = config.pipeline.link_mbit
             self.link_settings.start_limit = link_mbit * MBIT
+            latency_ms = self.options.latency_ms
+            if latency_ms is None:
+                latency_ms = config.pipeline.link_latency_ms
+            self.link_settings.start_latency_ms = latency_ms
             self.links.configure(
                 limit_bytes_per_second=self.link_settings.limit,
+                latency_s=self.link_settings.latency_ms / 1e3,
                 options=EncodeOptions.from_pipeline(config.pipeline),
             )
             runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage))
@@ -491,6 +498,7 @@ class NodeDaemon:
 
     def _on_link_control(self, target: str, payload: bytes) -> None:
         before = self.link_settings.limit
+        latency_before = self.link_settings.latency_ms
         try:
             if not self.link_settings.on_message(target, payload):
                 return  # another node's (amqtt sends retained ones to everyone)
@@ -500,11 +508,16 @@ class NodeDaemon:
         limit = self.link_settings.limit
         if limit != before:
             self.links.set_limit(None, limit)
+        latency_ms = self.link_settings.latency_ms
+        if latency_ms != latency_before:
+            self.links.set_latency(None, latency_ms / 1e3)
         logger.info(
-            "send limit %s on every link (control/%s; was %s)",
+            "send limit %s, delay %s on every link (control/%s; was %s, %g ms)",
             describe(limit) if limit != before else f"stays {describe(limit)}",
+            f"{latency_ms:g} ms" if latency_ms != latency_before else f"stays {latency_ms:g} ms",
             target,
             describe(before),
+            latency_before,
         )
 
     def _on_plan(self, plan: control_pb2.Plan) -> None:

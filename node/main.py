@@ -13,7 +13,7 @@ import signal
 
 from swarmpipe.errors import ConfigError
 from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
-from swarmpipe.transport.limits import MBIT, check_limit
+from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="limit what this node sends to each peer to this many Mbit/s (0: unlimited); "
         "overrides the run's pipeline.link_mbit",
     )
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="delay what this node sends to each peer by this many ms one way (0: none); "
+        "overrides the run's pipeline.link_latency_ms",
+    )
     add_metrics_arguments(parser)
 
 
@@ -64,6 +71,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
+    if args.latency_ms is not None:
+        check_latency_ms(args.latency_ms, what=f"--latency-ms {args.latency_ms:g}")
     if not 1.0 <= args.compute_slowdown <= 1000.0:
         raise ConfigError(f"--compute-slowdown {args.compute_slowdown:g}: give 1 to 1000")
     if not 0 < args.broker_retry <= 600:
@@ -82,6 +91,7 @@ async def serve(args: argparse.Namespace) -> int:
         compute_slowdown=args.compute_slowdown,
         ready_file=args.ready_file,
         link_mbit=args.link_mbit,
+        latency_ms=args.latency_ms,
         metrics=metrics,
     )
     # Until it knows its stage (daemon.py adds it at Join), a node's lines carry its id.

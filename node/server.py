@@ -203,6 +203,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 result = stage_pb2.MicrobatchResult()
                 result.CopyFrom(hop.result)
                 result.stages_done += 1
+        await d.links.propagate(header.sender_node or header.origin_node)
         yield stage_pb2.BackwardMessage(result=result)
 
     async def FetchState(

@@ -250,10 +250,11 @@ Global___StepState: _TypeAlias = StepState  # noqa: Y015
 
 @_typing.final
 class LinkControl(_message.Message):
-    """swarmpipe/<run>/control/<node_id> or control/all, retained: the send limit an organiser
-    puts on a node's links while the run goes on (`swarmpipe link-limit`, the testnet's
-    `link` churn). A node applies its own topic's setting over all's, and all's over the limit
-    it started with (pipeline.link_mbit or --link-mbit), whatever order they arrive in. The
+    """swarmpipe/<run>/control/<node_id> or control/all, retained: the send limit and the delay
+    an organiser puts on a node's links while the run goes on (`swarmpipe link-limit`, the
+    testnet's `link` churn). A node applies, field by field, its own topic's setting over
+    all's, and all's over what it started with (pipeline.link_mbit and link_latency_ms, or its
+    flags), whatever order they arrive in; a message replaces its topic's earlier one. The
     empty message (no field set) withdraws a topic's setting; sent retained, it also clears
     the retained one.
     """
@@ -261,19 +262,28 @@ class LinkControl(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LIMIT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_FIELD_NUMBER: _builtins.int
     limit_bytes_per_second: _builtins.float
     """0: no limit; 1 kbit/s to 10 Tbit/s else"""
+    latency_ms: _builtins.float
+    """one-way delay added to each send, 0 to 10000 ms"""
     def __init__(
         self,
         *,
         limit_bytes_per_second: _builtins.float | None = ...,
+        latency_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms", "_limit_bytes_per_second", b"_limit_bytes_per_second", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms", "_limit_bytes_per_second", b"_limit_bytes_per_second", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__latency_ms: _TypeAlias = _typing.Literal["latency_ms"]  # noqa: Y015
+    _WhichOneofArgType__latency_ms: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms"]  # noqa: Y015
     _WhichOneofReturnType__limit_bytes_per_second: _TypeAlias = _typing.Literal["limit_bytes_per_second"]  # noqa: Y015
     _WhichOneofArgType__limit_bytes_per_second: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__latency_ms) -> _WhichOneofReturnType__latency_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__limit_bytes_per_second) -> _WhichOneofReturnType__limit_bytes_per_second | None: ...
 
 Global___LinkControl: _TypeAlias = LinkControl  # noqa: Y015

@@ -74,12 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="limit every link to this many Mbit/s in each direction (pipeline.link_mbit)",
     )
     parser.add_argument(
+        "--latency-ms",
+        type=float,
+        help="delay everything each node sends to each peer by this many ms one way "
+        "(pipeline.link_latency_ms)",
+    )
+    parser.add_argument(
         "--node-profile",
         action="append",
         default=[],
-        metavar="NODE=mbit:X,slow:Y",
-        help="give one node its own send limit (Mbit/s on each link) and a compute slowdown "
-        "factor, e.g. 'n0=mbit:50,slow:2'; repeat for other nodes",
+        metavar="NODE=mbit:X,slow:Y,lat:MS",
+        help="give one node its own send limit (Mbit/s on each link), compute slowdown "
+        "factor and one-way delay (ms), e.g. 'n0=mbit:50,slow:2,lat:80'; repeat for other nodes",
     )
     parser.add_argument(
         "--churn",
@@ -117,6 +123,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         extra.append(f"train.steps={args.steps}")
     if args.link_mbit is not None:
         extra.append(f"pipeline.link_mbit={args.link_mbit}")
+    if args.latency_ms is not None:
+        extra.append(f"pipeline.link_latency_ms={args.latency_ms}")
     return extra
 
 
