@@ -556,9 +556,12 @@ class NodeDaemon:
         if step in self._applying:
             return  # MQTT delivers at least once: this APPLY is already being handled
         self._applying.add(step)
+        times = self.status.step_times
+        times.apply_arrived(step)
         replicas = 1
         if runtime.outer is None:
             reduced, replicas = await joined.replica_sync.reduce(step)
+            times.reduced(step)
             samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
             how = f"{replicas} replica{'' if replicas == 1 else 's'}"
         else:
@@ -575,6 +578,7 @@ class NodeDaemon:
                 how = f"local, then averaged over {replicas} replica{'' if replicas == 1 else 's'}"
         joined.state_transfer.step_advanced()
         digest = await self.compute.run(BACKWARD, runtime.parameter_digest)
+        times.applied(step)
         logger.info("applied step %d (%d samples, %s, params %s)", step, samples, how, digest)
         await self.coordinator.call(
             "StepDone",
@@ -586,6 +590,7 @@ class NodeDaemon:
                 replicas=replicas,
             ),
         )
+        times.acked(step)
         await joined.checkpointer.after_step(step + 1)
 
     async def _telemetry_loop(self, client: aiomqtt.Client) -> None:
@@ -628,6 +633,7 @@ class NodeDaemon:
             timestamp=time.time(),
             link_estimates=self.links.snapshot(),
             compute_seconds_per_microbatch=self.links.compute.value or 0.0,
+            step_times=self.status.step_times.snapshot(),
             compute_samples_per_second=(
                 self.status.samples_processed / self.compute.busy_seconds
                 if self.compute.busy_seconds > 0

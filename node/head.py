@@ -127,10 +127,12 @@ class Head:
         started = time.perf_counter()
         with d.status.track_microbatch():
             try:
+                d.status.step_times.forward_started(lease.step)
                 if runtime.is_last:  # a one-stage run: the head is the whole model
-                    last = await d.compute.run(
+                    last, seconds = await d.compute.run_timed(
                         FORWARD, lambda: runtime.forward_last(microbatch_id, tokens, labels)
                     )
+                    d.status.step_times.computed(lease.step, seconds)
                     loss_sum, n_tokens = last.loss_sum, last.tokens
                 else:
                     output, forward_s = await d.compute.run_timed(
@@ -147,6 +149,7 @@ class Head:
                         BACKWARD, lambda: runtime.backward(key, grad)
                     )
                     d.links.record_compute(forward_s + backward_s)
+                    d.status.step_times.computed(lease.step, forward_s + backward_s)
                     loss_sum, n_tokens = hop.result.loss_sum, hop.result.tokens
             finally:
                 await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))

@@ -318,6 +318,7 @@ class Links:
                         direction=direction,
                         bytes_per_second=link.meter.bytes_per_second or 0.0,
                         limit_bytes_per_second=link.bucket.bytes_per_second,
+                        latency_ms=link.latency_s * 1e3,
                         wire_bytes=state.wire_bytes,
                         codec=state.codec,  # type: ignore[arg-type]
                         changes=list(state.changes),

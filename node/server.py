@@ -252,6 +252,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 yield message
             return
         key = uuid.uuid4().hex
+        d.status.step_times.forward_started(header.step)
         with d.status.track_microbatch():
             try:
                 if runtime.is_last:
@@ -262,6 +263,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         ),
                     )
                     d.links.record_compute(seconds)
+                    d.status.step_times.computed(header.step, seconds)
                     grad_input = last.grad_input
                     result = stage_pb2.MicrobatchResult(
                         loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
@@ -286,6 +288,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"bad gradient: {exc}")
                         raise  # unreachable
                     d.links.record_compute(forward_s + backward_s)
+                    d.status.step_times.computed(header.step, forward_s + backward_s)
                     result = stage_pb2.MicrobatchResult()
                     result.CopyFrom(hop.result)
                     result.stages_done += 1

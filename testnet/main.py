@@ -44,6 +44,7 @@ from swarmpipe.testnet.picture import write_picture
 from swarmpipe.testnet.processes import Child, ProcessGroup
 from swarmpipe.testnet.profiles import parse_profiles
 from swarmpipe.testnet.progress import ProgressBar
+from swarmpipe.testnet.time_breakdown import time_breakdown
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.rpc import open_channel
 
@@ -519,6 +520,7 @@ def link_choices(status: coordinator_pb2.StatusReply, started: float) -> list[di
             "direction": c.direction,
             "measured_mbit": c.bytes_per_second * 8 / 1e6,
             "limit_mbit": c.limit_bytes_per_second * 8 / 1e6,
+            "latency_ms": c.latency_ms,
             "wire_bytes": c.wire_bytes,
             "codec": c.codec,
             "timeline": [
@@ -590,6 +592,8 @@ def build_report(
         "compute_ms_per_microbatch": {
             n.node_id: n.compute_seconds_per_microbatch * 1e3 for n in status.nodes
         },
+        # Where the time went: the coordinator's step boundaries and each node's phases.
+        "time_breakdown": time_breakdown(status),
         "counters": sample_counters(c),
         "members": [
             {
