@@ -37,6 +37,8 @@ DEFAULT_AUTO_CODECS = ("lossless", "fp16", "bf16", "int8", "int4")
 
 AUTO_CODEC = "auto"
 """The codec setting that lets each sender pick a codec per link from what it measures."""
+AUTO_IN_FLIGHT = "auto"
+"""pipeline.in_flight sized by each head from what it measures (node/in_flight.py)."""
 ROUNDING_ROLES = ("activation", "gradient", "reduce")
 """The tensor roles `pipeline.stochastic_rounding` may name."""
 DEFAULT_STOCHASTIC_ROUNDING = ("activation", "gradient")
@@ -258,8 +260,12 @@ class PipelineConfig:
     """Share of a tensor's entries the topk codec sends (the largest magnitudes), in (0, 1]."""
     lowrank_rank: int = 8
     """Columns of each factor the lowrank codec sends; higher is closer and larger."""
-    in_flight: int = 2
-    """Microbatches a head keeps in the pipeline at once."""
+    in_flight: int | str = "auto"
+    """Microbatches a head keeps in the pipeline at once: a number, or "auto" to size the
+    window from measurements (node/in_flight.py): the unloaded round trip of a microbatch
+    through the pipeline over the bottleneck's time per microbatch (the slowest stage's
+    compute or the head's link), shared among the heads, plus one; 2 until measured, at
+    most 16."""
     hop_timeout_s: float = 120.0
     """Upper bound on one hop's call, downstream included. A failed hop is retried."""
     reduce_timeout_s: float = 60.0
@@ -367,7 +373,13 @@ class PipelineConfig:
             raise ConfigError("pipeline.diloco_outer_lr must be positive (try 0.7)")
         if not 0 <= self.diloco_outer_momentum < 1:
             raise ConfigError("pipeline.diloco_outer_momentum must be in [0, 1) (try 0.9)")
-        if self.in_flight < 1:
+        if isinstance(self.in_flight, str):
+            if self.in_flight != AUTO_IN_FLIGHT:
+                raise ConfigError(
+                    f"pipeline.in_flight={self.in_flight!r}: give a number >= 1 or "
+                    f"{AUTO_IN_FLIGHT!r}"
+                )
+        elif self.in_flight < 1:
             raise ConfigError("pipeline.in_flight must be >= 1")
 
 
@@ -465,7 +477,14 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must have {len(args)} items")
         return tuple(_coerce(a, v, where) for a, v in zip(args, value, strict=True))
     if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{where}: union types are not supported in config")
+        # A number or a word (pipeline.in_flight = 4 or "auto"): the member the value is;
+        # __post_init__ checks which words are allowed.
+        for member in typing.get_args(tp):
+            if member in (int, float, str) and isinstance(value, member):
+                if not (member is int and isinstance(value, bool)):
+                    return value
+        names = " or ".join(m.__name__ for m in typing.get_args(tp))
+        raise ConfigError(f"{where} must be {names}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool):

@@ -646,6 +646,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     compute_seconds_per_microbatch=t.compute_seconds_per_microbatch if t else 0.0,
                     serving=m.serving and m.online and not m.drained,
                     step_times=t.step_times if t else (),
+                    in_flight_window=t.in_flight_window if t else 0,
                 )
             )
             for link in t.links if t else ():

@@ -144,6 +144,8 @@ class NodeDaemon:
         self._client: aiomqtt.Client | None = None
         self._move_order = 0
         self._applies: set[asyncio.Task[Any]] = set()
+        self._step_acked = asyncio.Event()
+        """Set when this node has applied a step, so telemetry carries it at once."""
         """Optimizer steps under way; a move cancels them."""
         self.samples_per_second = 0.0
         """Samples/s, smoothed over the telemetry ticks (the status line's figure)."""
@@ -591,6 +593,7 @@ class NodeDaemon:
             ),
         )
         times.acked(step)
+        self._step_acked.set()
         await joined.checkpointer.after_step(step + 1)
 
     async def _telemetry_loop(self, client: aiomqtt.Client) -> None:
@@ -600,7 +603,14 @@ class NodeDaemon:
         rate = 0.0
         next_status = time.monotonic() + STATUS_INTERVAL_S
         while True:
-            await asyncio.sleep(TELEMETRY_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                due = last_time + TELEMETRY_INTERVAL_S - time.monotonic()
+                await asyncio.wait_for(self._step_acked.wait(), max(0.0, due))
+                # A step was applied: its time breakdown goes out now, since a short run
+                # may end before the next tick; the rate waits for the tick.
+                self._step_acked.clear()
+                await client.publish(topic, self._telemetry(rate).SerializeToString(), qos=0)
+                continue
             now = time.monotonic()
             samples = self.status.samples_processed
             rate = 0.5 * rate + 0.5 * (samples - last_samples) / (now - last_time)
@@ -634,6 +644,7 @@ class NodeDaemon:
             link_estimates=self.links.snapshot(),
             compute_seconds_per_microbatch=self.links.compute.value or 0.0,
             step_times=self.status.step_times.snapshot(),
+            in_flight_window=(self.joined.head.window if self.joined and self.joined.head else 0),
             compute_samples_per_second=(
                 self.status.samples_processed / self.compute.busy_seconds
                 if self.compute.busy_seconds > 0

@@ -56,6 +56,8 @@ class _Direction:
     encoder: EncoderState | None = None
     """The topk/lowrank codecs' residual and warm start for this direction (made on first use)."""
     wire_bytes: int = 0
+    last_bytes: int = 0
+    """Wire bytes of the last tensor sent this way."""
     changes: deque[control_pb2.CodecChange] = field(
         default_factory=lambda: deque(maxlen=MAX_CHANGES)
     )
@@ -106,6 +108,8 @@ class Transfer:
         # Bytes of a failed transfer did cross the link, so they count all the same.
         self._flush()
         self._link.meter.end()
+        if self.bytes:
+            self._direction.last_bytes = self.bytes
 
     def _flush(self) -> None:
         if self._handed:
@@ -251,6 +255,19 @@ class Links:
         """Measured bandwidth to `peer`; None until enough bytes have gone there."""
         link = self._links.get(peer)
         return link.meter.bytes_per_second if link else None
+
+    def seconds_per_tensor(self) -> list[float]:
+        """For each link direction that carries microbatches (not reduces): its last
+        tensor's wire bytes over the link's measured bandwidth."""
+        seconds = []
+        for link in self._links.values():
+            bandwidth = link.meter.bytes_per_second
+            if not bandwidth:
+                continue
+            for direction, state in link.directions.items():
+                if direction != "reduce" and state.last_bytes:
+                    seconds.append(state.last_bytes / bandwidth)
+        return seconds
 
     def record_compute(self, seconds: float) -> None:
         """Add one microbatch's forward plus backward seconds on this node."""

@@ -425,6 +425,7 @@ class Telemetry(_message.Message):
     COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
     COMPUTE_SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     STEP_TIMES_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_WINDOW_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     samples: _builtins.int
@@ -439,6 +440,8 @@ class Telemetry(_message.Message):
     thread's busy time): what this node could do, whatever traffic it gets.
     The coordinator's plan weights replicas by it.
     """
+    in_flight_window: _builtins.int
+    """a head's microbatches in flight now (its window); 0: not a head"""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCounter]:
         """bytes this node has sent, per peer"""
@@ -465,10 +468,11 @@ class Telemetry(_message.Message):
         compute_seconds_per_microbatch: _builtins.float = ...,
         compute_samples_per_second: _builtins.float = ...,
         step_times: _abc.Iterable[Global___StepTimes] | None = ...,
+        in_flight_window: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "step_times", b"step_times", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "in_flight_window", b"in_flight_window", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "step_times", b"step_times", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -557,6 +557,7 @@ class NodeRecord(_message.Message):
     COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
     SERVING_FIELD_NUMBER: _builtins.int
     STEP_TIMES_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_WINDOW_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     address: _builtins.str
@@ -571,6 +572,8 @@ class NodeRecord(_message.Message):
     """forward plus backward; 0: not measured yet"""
     serving: _builtins.bool
     """in the plan; false while it still downloads its stage's state"""
+    in_flight_window: _builtins.int
+    """a head's window of microbatches in flight; 0: not a head"""
     @_builtins.property
     def step_times(self) -> _containers.RepeatedCompositeFieldContainer[_control_pb2.StepTimes]:
         """its latest telemetry's time breakdown per step"""
@@ -589,10 +592,11 @@ class NodeRecord(_message.Message):
         compute_seconds_per_microbatch: _builtins.float = ...,
         serving: _builtins.bool = ...,
         step_times: _abc.Iterable[_control_pb2.StepTimes] | None = ...,
+        in_flight_window: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "serving", b"serving", "stage", b"stage", "step_times", b"step_times"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight_window", b"in_flight_window", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "serving", b"serving", "stage", b"stage", "step_times", b"step_times"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

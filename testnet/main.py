@@ -592,6 +592,8 @@ def build_report(
         "compute_ms_per_microbatch": {
             n.node_id: n.compute_seconds_per_microbatch * 1e3 for n in status.nodes
         },
+        # Each head's window of microbatches in flight at the end (pipeline.in_flight).
+        "in_flight": {n.node_id: n.in_flight_window for n in status.nodes if n.in_flight_window},
         # Where the time went: the coordinator's step boundaries and each node's phases.
         "time_breakdown": time_breakdown(status),
         "counters": sample_counters(c),
