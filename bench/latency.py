@@ -3,10 +3,16 @@
 Three comparisons, each side by side in this one invocation (issue 23):
 
 - `compute`: no link limit, the 6-block d=256 model: testnet samples/s over single-process
-  training of the same model, data and batch on the same machine (target 0.85).
+  training of the same model, data and batch on the same machine (target 0.85). The
+  single process runs with 1 torch thread and with as many as the testnet's nodes use in
+  all (at most the machine's cores), and the faster is the baseline: on a busy machine
+  more threads can be several times slower (measured here: 17.7 samples/s with 1, 3.9
+  with 2).
 - `slow`: every link at 10 Mbit/s, lossless, the default model: samples/s over the link
   bound, the limit divided by the wire bytes per sample on the busiest link direction
-  (target 0.90). `pipeline.in_flight` auto beside a fixed 2.
+  (target 0.90). `pipeline.in_flight` auto beside a fixed 2, and auto with 2-sample
+  microbatches (16 a step instead of 4: the same global batch and, lossless, the same
+  result to float rounding, with a shorter fill and drain).
 - `far`: every link at 100 Mbit/s and 50 ms one way: samples/s over the same run without
   the delay (target 0.90), in_flight auto beside a fixed 2.
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +78,7 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
         for node, n in breakdown["nodes"].items()
     }
     committed = report["counters"]["committed"]
-    links = link_utilisation(report, seconds=coordinator["cycle_s"], committed=committed)
+    links = link_utilisation(report, samples_per_second=sps, committed=committed)
     result: dict[str, Any] = {
         "samples_per_second": sps,
         "steady_samples_per_second_excluding_boundaries": (
@@ -113,11 +120,18 @@ def serve(args: argparse.Namespace) -> int:
         )
 
     if "compute" in parts:
-        base = single_process([*COMPUTE_MODEL, *args.set], args.steps)
+        import torch
+
+        singles = {}
+        for threads in sorted({1, min(os.cpu_count() or 1, args.nodes * args.threads)}):
+            torch.set_num_threads(threads)
+            singles[threads] = single_process([*COMPUTE_MODEL, *args.set], args.steps)
+        base = max(singles.values(), key=lambda s: float(s["samples_per_second"]))
         run = summary(testnet(COMPUTE_MODEL, what="compute"))
         result["compute"] = {
             "model": COMPUTE_MODEL,
             "single_process": base,
+            "single_process_by_threads": singles,
             "testnet": run,
             "testnet_over_single_process": run["samples_per_second"] / base["samples_per_second"],
             "target": 0.85,
@@ -128,6 +142,7 @@ def serve(args: argparse.Namespace) -> int:
         for name, settings in [
             ("auto", ["pipeline.in_flight=auto"]),
             ("fixed_2", ["pipeline.in_flight=2"]),
+            ("auto_microbatch_2", ["pipeline.in_flight=auto", "train.microbatch=2"]),
         ]:
             report = testnet([*LOSSLESS, *settings], *limit, what=f"slow {name}")
             run = summary(report)

@@ -7,8 +7,8 @@ compute, its waiting inside the step (links and the other stages: fill, drain, g
 its share of the boundary (reduce, apply, StepDone, then until its next first forward). A
 node's train window plus its boundary is one step cycle, so its shares add up to 1.
 
-The per-link figures say how busy each limited link direction was over the training
-time: wire bytes over what the limit could have carried.
+The per-link figures say how busy each limited link direction was at a run's samples/s:
+its wire bytes per sample times the samples per second, over its limit.
 """
 
 from __future__ import annotations
@@ -88,17 +88,18 @@ def time_breakdown(
 
 
 def link_utilisation(
-    report: dict[str, Any], *, seconds: float, committed: int
+    report: dict[str, Any], *, samples_per_second: float, committed: int
 ) -> dict[str, dict[str, float]]:
-    """Per limited link direction: wire bytes per sample and the share of `seconds` the
-    limit was busy carrying them (1: the link never idled)."""
+    """Per limited link direction: wire bytes per sample and the share of the time its
+    limit was busy carrying them at `samples_per_second` (1: the link never idled)."""
     busy: dict[str, dict[str, float]] = {}
     for c in report.get("link_choices", []):
         limit = c["limit_mbit"] * 1e6 / 8
-        if limit <= 0 or seconds <= 0:
+        if limit <= 0:
             continue
+        per_sample = c["wire_bytes"] / max(committed, 1)
         busy[f"{c['src']}->{c['dst']} {c['direction']}"] = {
-            "wire_bytes_per_sample": c["wire_bytes"] / max(committed, 1),
-            "busy_share": c["wire_bytes"] / (limit * seconds),
+            "wire_bytes_per_sample": per_sample,
+            "busy_share": per_sample * samples_per_second / limit,
         }
     return busy

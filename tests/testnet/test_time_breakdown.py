@@ -60,7 +60,8 @@ def test_link_utilisation_is_bytes_over_what_the_limit_could_carry() -> None:
              "wire_bytes": 5_000_000},
         ]
     }  # fmt: skip
-    busy = link_utilisation(report, seconds=10.0, committed=100)
+    # 50 kB per sample at 10 samples/s over a 1 MB/s limit: busy half the time.
+    busy = link_utilisation(report, samples_per_second=10.0, committed=100)
     assert busy == {
         "n0->n1 activation": {"wire_bytes_per_sample": 50_000.0, "busy_share": pytest.approx(0.5)}
     }
