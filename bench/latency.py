@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-mbit", type=float, default=10.0, help="the slow part's limit")
     parser.add_argument("--far-mbit", type=float, default=100.0, help="the far part's limit")
     parser.add_argument("--far-ms", type=float, default=50.0, help="the far part's delay")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the far part's four runs, alternating their order; samples/s are means",
+    )
     add_config_arguments(parser, with_file=False)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--out", help="write the JSON here too")
@@ -109,6 +115,8 @@ def serve(args: argparse.Namespace) -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise SystemExit(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     if args.steps < 4:
         raise SystemExit("--steps must be at least 4 (step 0 and the last are not counted)")
     load_config(None, args.set)  # a bad --set fails before any run
@@ -159,18 +167,32 @@ def serve(args: argparse.Namespace) -> int:
             "link_mbit": args.far_mbit,
             "latency_ms": args.far_ms,
             "target": 0.90,
+            "rounds": args.rounds,
         }
-        for name, settings, flags in [
+        runs = [
             ("near_auto", ["pipeline.in_flight=auto"], limit),
             ("far_auto", ["pipeline.in_flight=auto"], (*limit, *delay)),
             ("near_fixed_2", ["pipeline.in_flight=2"], limit),
             ("far_fixed_2", ["pipeline.in_flight=2"], (*limit, *delay)),
-        ]:
-            far[name] = summary(testnet(settings, *flags, what=f"far {name}"))
+        ]
+        per_round: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+        for round_index in range(args.rounds):
+            # Alternate the order, so a machine that slows down over the invocation
+            # does not always charge the same run.
+            for name, settings, flags in runs if round_index % 2 == 0 else runs[::-1]:
+                far[name] = summary(testnet(settings, *flags, what=f"far {name}"))
+                per_round[name].append(far[name]["samples_per_second"])
+        for name, values in per_round.items():
+            far[name]["samples_per_second_per_round"] = values
+            far[name]["samples_per_second"] = sum(values) / len(values)
         for kind in ("auto", "fixed_2"):
             far[f"{kind}_far_over_near"] = (
                 far[f"far_{kind}"]["samples_per_second"] / far[f"near_{kind}"]["samples_per_second"]
             )
+            far[f"{kind}_far_over_near_per_round"] = [
+                f / n
+                for f, n in zip(per_round[f"far_{kind}"], per_round[f"near_{kind}"], strict=True)
+            ]
         far["far_fixed_2_over_near_auto"] = (
             far["far_fixed_2"]["samples_per_second"] / far["near_auto"]["samples_per_second"]
         )
