@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmpipe.errors import ConfigError
-from swarmpipe.transport.limits import MBIT, check_limit
+from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
 
 # Config names of the codecs and the schema enum each maps to (see protos/tensor.proto).
 _CODEC_ENUMS = {
@@ -47,6 +47,8 @@ DEFAULT_AUTO_CODECS = ("lossless", "fp16", "bf16", "int8", "int4")
 
 AUTO_CODEC = "auto"
 """The codec setting that lets each sender pick a codec per link from what it measures."""
+AUTO_IN_FLIGHT = "auto"
+"""pipeline.in_flight sized by each head from what it measures (node/in_flight.py)."""
 ROUNDING_ROLES = ("activation", "gradient", "reduce")
 """The tensor roles `pipeline.stochastic_rounding` may name."""
 DEFAULT_STOCHASTIC_ROUNDING = ("activation", "gradient")
@@ -278,6 +280,11 @@ class PipelineConfig:
     limited on its own, like a full-duplex line); 0 means unlimited, else 0.001 (1 kbit/s) to
     1e7 (10 Tbit/s). For testnets and experiments on fast networks; `swarmpipe node
     --link-mbit` overrides it per node, and `swarmpipe link-limit` changes it during a run."""
+    link_latency_ms: float = 0.0
+    """One-way delay, in ms, added to everything each node sends to each peer, after the
+    send limit releases it (0 to 10000; 0: none): a long line's latency, which costs time
+    but not throughput. For testnets; `swarmpipe node --latency-ms` overrides it per node,
+    and `swarmpipe link-limit --latency-ms` changes it during a run."""
     int8_block_size: int = 256
     """Elements per absmax block of the int8 and int4 codecs."""
     int8_channel_blocks: bool = True
@@ -310,8 +317,12 @@ class PipelineConfig:
     """Share of a tensor's entries the topk codec sends (the largest magnitudes), in (0, 1]."""
     lowrank_rank: int = 8
     """Columns of each factor the lowrank codec sends; higher is closer and larger."""
-    in_flight: int = 2
-    """Microbatches a head keeps in the pipeline at once."""
+    in_flight: int | str = "auto"
+    """Microbatches a head keeps in the pipeline at once: a number, or "auto" to size the
+    window from measurements (node/in_flight.py): the unloaded round trip of a microbatch
+    through the pipeline over the bottleneck's time per microbatch (the slowest stage's
+    compute or the head's link), shared among the heads, plus one; 2 until measured, at
+    most 16."""
     hop_timeout_s: float = 120.0
     """Upper bound on one hop's call, downstream included. A failed hop is retried."""
     reduce_timeout_s: float = 60.0
@@ -356,6 +367,9 @@ class PipelineConfig:
                     + (f" ({', '.join(map(repr, unknown))} unknown)" if unknown else "")
                 )
         check_limit(self.link_mbit * MBIT, what=f"pipeline.link_mbit={self.link_mbit}")
+        check_latency_ms(
+            self.link_latency_ms, what=f"pipeline.link_latency_ms={self.link_latency_ms}"
+        )
         if self.int8_block_size < 1:
             raise ConfigError("pipeline.int8_block_size must be >= 1")
         unknown = [r for r in self.stochastic_rounding if r not in ROUNDING_ROLES]
@@ -416,7 +430,13 @@ class PipelineConfig:
             raise ConfigError("pipeline.diloco_outer_lr must be positive (try 0.7)")
         if not 0 <= self.diloco_outer_momentum < 1:
             raise ConfigError("pipeline.diloco_outer_momentum must be in [0, 1) (try 0.9)")
-        if self.in_flight < 1:
+        if isinstance(self.in_flight, str):
+            if self.in_flight != AUTO_IN_FLIGHT:
+                raise ConfigError(
+                    f"pipeline.in_flight={self.in_flight!r}: give a number >= 1 or "
+                    f"{AUTO_IN_FLIGHT!r}"
+                )
+        elif self.in_flight < 1:
             raise ConfigError("pipeline.in_flight must be >= 1")
 
 
@@ -570,7 +590,14 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must have {len(args)} items")
         return tuple(_coerce(a, v, where) for a, v in zip(args, value, strict=True))
     if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{where}: union types are not supported in config")
+        # A number or a word (pipeline.in_flight = 4 or "auto"): the member the value is;
+        # __post_init__ checks which words are allowed.
+        for member in typing.get_args(tp):
+            if member in (int, float, str) and isinstance(value, member):
+                if not (member is int and isinstance(value, bool)):
+                    return value
+        names = " or ".join(m.__name__ for m in typing.get_args(tp))
+        raise ConfigError(f"{where} must be {names}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool):

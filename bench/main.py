@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, str] = {
     "pipeline": "testnet samples/s beside single-process training, wire bytes per codec",
     "slowlink": "held-out loss against wall-clock time on rate-limited links, as a PNG",
     "links": "lossless against auto codec choice with every link limited, beside both bounds",
+    "latency": "how full the pipeline stays: no limit against one process, 10 Mbit/s against "
+    "the link bound, 50 ms against no delay; in_flight auto beside 2",
     "churn": "seconds from a replica's SIGKILL until samples/s is back to 90%",
     "convergence": "held-out loss after N steps per boundary codec and learned bottleneck",
     "join": "seconds from a node's start to taking traffic when it joins a running run",

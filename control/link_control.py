@@ -1,15 +1,18 @@
-"""`swarmpipe link-limit`: change nodes' send limits while a run goes on, over MQTT.
+"""`swarmpipe link-limit`: change nodes' send limits and delays while a run goes on, over MQTT.
 
     swarmpipe link-limit --broker mqtt://host:1883 --run RUN --node n1 --mbit 2
+    swarmpipe link-limit --broker mqtt://host:1883 --run RUN --node all --mbit 100 --latency-ms 50
     swarmpipe link-limit --broker mqtt://host:1883 --run RUN --node all --clear
 
 publishes a retained `LinkControl` on `swarmpipe/<run>/control/<node>` (or `control/all`).
 Every node follows `control/+` and applies what is addressed to it or to all: a node that
 joins later finds the setting waiting. `--mbit 0` lifts a node's limit; `--clear` withdraws a
 setting (and clears it from the broker), so the node goes back to the limit it started with
-(`pipeline.link_mbit` or `swarmpipe node --link-mbit`, usually none). A node's own setting
-wins over all's, whichever came last, so that both kinds of message may be retained at
-once and still mean one thing to a node that joins and gets them in any order.
+(`pipeline.link_mbit` or `swarmpipe node --link-mbit`, usually none). `--latency-ms` sets
+the one-way delay the same way (`pipeline.link_latency_ms`, `--latency-ms`). A message sets
+what it names and replaces its topic's earlier message; for each of the two settings a
+node's own topic wins over all's, whichever came last, so that both kinds of message may be
+retained at once and still mean one thing to a node that joins and gets them in any order.
 
 In a closed run only the organiser may publish link limits: give `--admin-token-file
 <state-dir>/admin-token` (the broker login `organiser` with that token as its password).
@@ -27,6 +30,7 @@ import dataclasses
 import logging
 import os
 import re
+from dataclasses import dataclass
 
 import aiomqtt
 from google.protobuf.message import DecodeError
@@ -36,7 +40,7 @@ from swarmpipe.control.bus import BrokerAddress, Topics, make_client, parse_brok
 from swarmpipe.control.mqtt_acl import ORGANISER_USER
 from swarmpipe.errors import ConfigError, PeerError, SwarmpipeError
 from swarmpipe.protos import control_pb2
-from swarmpipe.transport.limits import MBIT, check_limit
+from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
 
 logger = logging.getLogger(__name__)
 
@@ -56,49 +60,79 @@ def describe(bytes_per_second: float | None) -> str:
     return f"{bytes_per_second / MBIT:g} Mbit/s" if bytes_per_second else "no limit"
 
 
-def encode(bytes_per_second: float | None) -> bytes:
-    """The payload that sets `bytes_per_second` (0: no limit), or withdraws (None)."""
-    if bytes_per_second is None:
+@dataclass(frozen=True, slots=True)
+class LinkSetting:
+    """What one control message sets; a field left None falls through to all's or the start."""
+
+    limit: float | None = None
+    """Send limit in bytes per second (0: no limit)."""
+    latency_ms: float | None = None
+    """One-way delay in ms (0: none)."""
+
+
+def encode(bytes_per_second: float | None, *, latency_ms: float | None = None) -> bytes:
+    """The payload that sets `bytes_per_second` (0: no limit) and/or `latency_ms`, or
+    withdraws the topic's setting (both None)."""
+    if bytes_per_second is None and latency_ms is None:
         return b""  # also what clears a retained message
-    check_limit(bytes_per_second)
-    message = control_pb2.LinkControl(limit_bytes_per_second=bytes_per_second)
+    message = control_pb2.LinkControl()
+    if bytes_per_second is not None:
+        message.limit_bytes_per_second = check_limit(bytes_per_second)
+    if latency_ms is not None:
+        message.latency_ms = check_latency_ms(latency_ms)
     return message.SerializeToString()
 
 
-def decode(payload: bytes) -> float | None:
-    """The limit a `LinkControl` payload sets (None: it withdraws); a PeerError when it
-    does not parse or its limit is out of range."""
+def decode(payload: bytes) -> LinkSetting | None:
+    """What a `LinkControl` payload sets (None: it withdraws); a PeerError when it does not
+    parse or a value is out of range."""
     try:
         message = control_pb2.LinkControl.FromString(payload)
     except DecodeError as exc:
         raise PeerError(f"not a LinkControl message ({len(payload)} bytes): {exc}") from exc
-    if not message.HasField("limit_bytes_per_second"):
+    has_limit = message.HasField("limit_bytes_per_second")
+    has_latency = message.HasField("latency_ms")
+    if not (has_limit or has_latency):
         return None
     try:
-        return check_limit(message.limit_bytes_per_second)
+        return LinkSetting(
+            limit=check_limit(message.limit_bytes_per_second) if has_limit else None,
+            latency_ms=check_latency_ms(message.latency_ms) if has_latency else None,
+        )
     except ConfigError as exc:
         raise PeerError(str(exc)) from exc
 
 
 class LinkSettings:
-    """The send limit one node applies, from the control messages it was sent.
+    """The send limit and delay one node applies, from the control messages it was sent.
 
-    Its own topic's setting wins over all's, and all's over the limit it started with.
+    For each, its own topic's setting wins over all's, and all's over what it started with.
     """
 
-    def __init__(self, node_id: str, start_limit: float = 0.0) -> None:
+    def __init__(
+        self, node_id: str, start_limit: float = 0.0, start_latency_ms: float = 0.0
+    ) -> None:
         self.node_id = node_id
         self.start_limit = start_limit
-        self._own: float | None = None
-        self._all: float | None = None
+        self.start_latency_ms = start_latency_ms
+        self._own: LinkSetting | None = None
+        self._all: LinkSetting | None = None
 
     @property
     def limit(self) -> float:
         """Bytes per second this node may send to each peer now (0: no limit)."""
         for setting in (self._own, self._all):
-            if setting is not None:
-                return setting
+            if setting is not None and setting.limit is not None:
+                return setting.limit
         return self.start_limit
+
+    @property
+    def latency_ms(self) -> float:
+        """One-way delay in ms on what this node sends to each peer now (0: none)."""
+        for setting in (self._own, self._all):
+            if setting is not None and setting.latency_ms is not None:
+                return setting.latency_ms
+        return self.start_latency_ms
 
     def on_message(self, target: str, payload: bytes) -> bool:
         """Take one message of `control/<target>`; whether it is for this node.
@@ -124,14 +158,19 @@ def check_node(node: str) -> str:
 
 
 async def publish(
-    broker: BrokerAddress, run_id: str, node: str, bytes_per_second: float | None
+    broker: BrokerAddress,
+    run_id: str,
+    node: str,
+    bytes_per_second: float | None,
+    *,
+    latency_ms: float | None = None,
 ) -> str:
     """Publish a retained LinkControl for `node` (or `all`); returns the topic.
 
     A SwarmpipeError when the broker cannot be reached or does not acknowledge in time.
     """
     topic = Topics(run_id).control(check_node(node))
-    payload = encode(bytes_per_second)
+    payload = encode(bytes_per_second, latency_ms=latency_ms)
     try:
         async with make_client(broker, f"swarmpipe-link-limit-{os.getpid()}") as client:
             await client.publish(topic, payload, qos=1, retain=True, timeout=PUBLISH_TIMEOUT_S)
@@ -148,14 +187,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="the run's id (run_id in its config)")
     parser.add_argument("--node", required=True, help=f"the node to limit, or {ALL!r}")
     add_admin_token_argument(parser)
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument(
+    parser.add_argument(
         "--mbit", type=float, help="limit its sends to each peer to this many Mbit/s (0: none)"
     )
-    what.add_argument(
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        help="delay its sends to each peer by this many ms one way (0: none)",
+    )
+    parser.add_argument(
         "--clear",
         action="store_true",
-        help="withdraw the setting: back to the limit the node started with",
+        help="withdraw the setting: back to the limit and delay the node started with",
     )
 
 
@@ -170,9 +213,19 @@ async def serve(args: argparse.Namespace) -> int:
     broker = organiser_login(parse_broker_url(args.broker), read_admin_token(args.admin_token_file))
     if not args.run or any(c in args.run for c in "/#+ "):
         raise ConfigError(f"--run {args.run!r} must be a run id without '/', '#', '+'")
-    limit = None
-    if not args.clear:
+    named = args.mbit is not None or args.latency_ms is not None
+    if args.clear == named:
+        raise ConfigError("give --mbit and/or --latency-ms, or --clear alone")
+    limit = latency_ms = None
+    if args.mbit is not None:
         limit = check_limit(args.mbit * MBIT, what=f"--mbit {args.mbit}")
-    topic = await publish(broker, args.run, args.node, limit)
-    print(f"{args.node}: send limit {describe(limit)} (retained on {topic})")
+    if args.latency_ms is not None:
+        latency_ms = check_latency_ms(args.latency_ms, what=f"--latency-ms {args.latency_ms:g}")
+    topic = await publish(broker, args.run, args.node, limit, latency_ms=latency_ms)
+    if args.clear:
+        print(f"{args.node}: link setting cleared (on {topic})")
+    else:
+        said = [f"send limit {describe(limit)}"] if limit is not None else []
+        said += [f"delay {latency_ms:g} ms"] if latency_ms is not None else []
+        print(f"{args.node}: {', '.join(said)} (retained on {topic})")
     return 0

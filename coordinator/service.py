@@ -856,6 +856,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     param_digest=m.param_digest,
                     compute_seconds_per_microbatch=t.compute_seconds_per_microbatch if t else 0.0,
                     serving=m.serving and m.online and not m.drained,
+                    step_times=t.step_times if t else (),
+                    in_flight_window=t.in_flight_window if t else 0,
                 )
             )
             for link in t.links if t else ():
@@ -1001,6 +1003,7 @@ def _link_choice_record(
         direction=estimate.direction,
         bytes_per_second=estimate.bytes_per_second,
         limit_bytes_per_second=estimate.limit_bytes_per_second,
+        latency_ms=estimate.latency_ms,
         wire_bytes=estimate.wire_bytes,
         codec=codec_name(estimate.codec),
         changes=[

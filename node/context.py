@@ -35,6 +35,7 @@ from swarmpipe.node.compute import ComputeWorker
 from swarmpipe.node.links import Links
 from swarmpipe.node.router import Router
 from swarmpipe.node.stage_runtime import StageRuntime
+from swarmpipe.node.step_times import StepTimes
 from swarmpipe.node.transport import LinkStats
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.transport.auth import JOIN_TOKEN_KEY
@@ -61,6 +62,8 @@ class NodeStatus:
         self._samples = 0
         self.microbatch_seconds: deque[float] = deque(maxlen=64)
         """Wall-clock seconds of the head's latest microbatches, lease to commit."""
+        self.step_times = StepTimes()
+        """Where this node's time went in its latest steps (compute, waiting, boundary)."""
         self._stop = asyncio.Event()
         self._stop_reason = ""
         self._failed = False

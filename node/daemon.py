@@ -102,6 +102,8 @@ class NodeOptions:
     ready_file: str = ""
     link_mbit: float | None = None
     """Send limit per peer in Mbit/s overriding the run's pipeline.link_mbit; 0: unlimited."""
+    latency_ms: float | None = None
+    """One-way delay per peer in ms overriding the run's pipeline.link_latency_ms; 0: none."""
     metrics: tuple[str, int] | None = None
     """(host, port) of the Prometheus endpoint (port 0: any free one); None: no metrics."""
     token: str = field(default="", repr=False)
@@ -167,6 +169,8 @@ class NodeDaemon:
         self._bus_stack: contextlib.AsyncExitStack | None = None
         self._move_order = 0
         self._applies: set[asyncio.Task[Any]] = set()
+        self._step_acked = asyncio.Event()
+        """Set when this node has applied a step, so telemetry carries it at once."""
         """Optimizer steps under way; a move cancels them."""
         self.samples_per_second = 0.0
         """Samples/s, smoothed over the telemetry ticks (the status line's figure)."""
@@ -239,8 +243,13 @@ class NodeDaemon:
             if link_mbit is None:
                 link_mbit = config.pipeline.link_mbit
             self.link_settings.start_limit = link_mbit * MBIT
+            latency_ms = self.options.latency_ms
+            if latency_ms is None:
+                latency_ms = config.pipeline.link_latency_ms
+            self.link_settings.start_latency_ms = latency_ms
             self.links.configure(
                 limit_bytes_per_second=self.link_settings.limit,
+                latency_s=self.link_settings.latency_ms / 1e3,
                 options=EncodeOptions.from_pipeline(config.pipeline),
             )
             # A --device was checked before Join (node/main.py); the run's own setting can
@@ -601,6 +610,7 @@ class NodeDaemon:
 
     def _on_link_control(self, target: str, payload: bytes) -> None:
         before = self.link_settings.limit
+        latency_before = self.link_settings.latency_ms
         try:
             if not self.link_settings.on_message(target, payload):
                 return  # another node's (amqtt sends retained ones to everyone)
@@ -610,11 +620,16 @@ class NodeDaemon:
         limit = self.link_settings.limit
         if limit != before:
             self.links.set_limit(None, limit)
+        latency_ms = self.link_settings.latency_ms
+        if latency_ms != latency_before:
+            self.links.set_latency(None, latency_ms / 1e3)
         logger.info(
-            "send limit %s on every link (control/%s; was %s)",
+            "send limit %s, delay %s on every link (control/%s; was %s, %g ms)",
             describe(limit) if limit != before else f"stays {describe(limit)}",
+            f"{latency_ms:g} ms" if latency_ms != latency_before else f"stays {latency_ms:g} ms",
             target,
             describe(before),
+            latency_before,
         )
 
     def _on_plan(self, plan: control_pb2.Plan) -> None:
@@ -658,9 +673,12 @@ class NodeDaemon:
         if step in self._applying:
             return  # MQTT delivers at least once: this APPLY is already being handled
         self._applying.add(step)
+        times = self.status.step_times
+        times.apply_arrived(step)
         replicas = 1
         if runtime.outer is None:
             reduced, replicas = await joined.replica_sync.reduce(step)
+            times.reduced(step)
             samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
             how = f"{replicas} replica{'' if replicas == 1 else 's'}"
         else:
@@ -677,6 +695,7 @@ class NodeDaemon:
                 how = f"local, then averaged over {replicas} replica{'' if replicas == 1 else 's'}"
         joined.state_transfer.step_advanced()
         digest = await self.compute.run(BACKWARD, runtime.parameter_digest)
+        times.applied(step)
         logger.info("applied step %d (%d samples, %s, params %s)", step, samples, how, digest)
         await self.coordinator.call(
             "StepDone",
@@ -688,6 +707,8 @@ class NodeDaemon:
                 replicas=replicas,
             ),
         )
+        times.acked(step)
+        self._step_acked.set()
         await joined.checkpointer.after_step(step + 1)
 
     async def _telemetry_loop(self, client: aiomqtt.Client) -> None:
@@ -697,7 +718,14 @@ class NodeDaemon:
         rate = 0.0
         next_status = time.monotonic() + STATUS_INTERVAL_S
         while True:
-            await asyncio.sleep(TELEMETRY_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                due = last_time + TELEMETRY_INTERVAL_S - time.monotonic()
+                await asyncio.wait_for(self._step_acked.wait(), max(0.0, due))
+                # A step was applied: its time breakdown goes out now, since a short run
+                # may end before the next tick; the rate waits for the tick.
+                self._step_acked.clear()
+                await client.publish(topic, self._telemetry(rate).SerializeToString(), qos=0)
+                continue
             now = time.monotonic()
             samples = self.status.samples_processed
             rate = 0.5 * rate + 0.5 * (samples - last_samples) / (now - last_time)
@@ -730,6 +758,8 @@ class NodeDaemon:
             timestamp=time.time(),
             link_estimates=self.links.snapshot(),
             compute_seconds_per_microbatch=self.links.compute.value or 0.0,
+            step_times=self.status.step_times.snapshot(),
+            in_flight_window=(self.joined.head.window if self.joined and self.joined.head else 0),
             compute_samples_per_second=(
                 self.status.samples_processed / self.compute.busy_seconds
                 if self.compute.busy_seconds > 0

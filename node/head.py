@@ -2,9 +2,11 @@
 
 Each of `pipeline.in_flight` workers leases a range, runs stage 0, sends the
 activations downstream and, when the gradient comes back, runs backward and
-commits. A failed or overdue hop is resent to another replica (with backoff
-between rounds) while the head keeps the activations; the plan may route
-around the failure meanwhile. A microbatch that still cannot finish is
+commits. With `in_flight = "auto"` the number of workers at work follows the
+window node/in_flight.py computes after every microbatch; the others wait.
+A failed or overdue hop is resent to another replica (with backoff between
+rounds) while the head keeps the activations; the plan may route around the
+failure meanwhile. A microbatch that still cannot finish is
 released, so the coordinator leases it again.
 Nothing is dropped silently: a released lease is logged as an ERROR.
 """
@@ -12,6 +14,7 @@ Nothing is dropped silently: a released lease is logged as an ERROR.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -24,6 +27,7 @@ from swarmpipe.errors import CoordinatorUnavailable
 from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.context import StageContext
+from swarmpipe.node.in_flight import MAX_WINDOW, InFlightSizer
 from swarmpipe.node.router import HopError, HopResult
 from swarmpipe.node.token_ids import encode_token_ids, first_tokens_of
 from swarmpipe.protos import coordinator_pb2, stage_pb2
@@ -38,6 +42,9 @@ BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 5.0
 LEASE_WAIT_S = 5.0
 RELEASE_WHILE_LEAVING_S = 2.0
+PARKED_POLL_S = 1.0
+"""How often a worker outside the window looks again (it also wakes when the window
+grows or the run ends)."""
 
 
 class Head:
@@ -49,12 +56,25 @@ class Head:
         self.stopping = asyncio.Event()
         self.finished = asyncio.Event()
         self._warned_short_holdout = False
+        setting = ctx.config.pipeline.in_flight
+        self.sizer: InFlightSizer | None = None
+        """Sizes the window when pipeline.in_flight is "auto"; None for a fixed number."""
+        if isinstance(setting, int):
+            self._workers = setting
+        else:
+            self.sizer = InFlightSizer()
+            self._workers = MAX_WINDOW
+        self._run_over = False
+        self._window_changed = asyncio.Event()
+
+    @property
+    def window(self) -> int:
+        """Microbatches this head keeps in flight now."""
+        return self._workers if self.sizer is None else self.sizer.window
 
     async def run(self) -> None:
         """Run the lease workers until the run is done or the node stops."""
-        workers = [
-            asyncio.create_task(self._worker(i)) for i in range(self.ctx.config.pipeline.in_flight)
-        ]
+        workers = [asyncio.create_task(self._worker(i)) for i in range(self._workers)]
         try:
             await asyncio.gather(*workers)
         finally:
@@ -62,11 +82,52 @@ class Head:
                 w.cancel()
             self.finished.set()
 
+    def _resize(self) -> None:
+        """Recompute the auto window from the latest round trip and bottleneck figures."""
+        if self.sizer is None:
+            return
+        d = self.ctx
+        plan = d.router.plan
+        stage_weights = [[r.weight for r in s.replicas] for s in plan.stages] if plan else []
+        heads = len(plan.stages[0].replicas) if plan and plan.stages else 1
+        before = self.sizer.window
+        window = self.sizer.update(
+            samples_per_microbatch=d.config.train.microbatch,
+            own_compute_s=d.links.compute.value,
+            link_seconds=d.links.seconds_per_tensor(),
+            stage_weights=stage_weights,
+            heads=heads,
+        )
+        if window != before:
+            logger.info(
+                "microbatches in flight: %d -> %d (round trip %.0f ms, bottleneck %.0f ms "
+                "per microbatch, %d head%s)",
+                before,
+                window,
+                (self.sizer.round_trip_s or 0.0) * 1e3,
+                (self.sizer.bottleneck_s or 0.0) * 1e3,
+                heads,
+                "" if heads == 1 else "s",
+            )
+            if window > before:
+                self._window_changed.set()
+                self._window_changed = asyncio.Event()
+
+    async def _parked(self) -> None:
+        """Wait outside the window until it grows, the run ends or a poll's time passed."""
+        changed = self._window_changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), PARKED_POLL_S)
+
     async def _worker(self, index: int) -> None:
         d = self.ctx
         Reply = coordinator_pb2.LeaseReply
         failing_since: float | None = None
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and not self._run_over:
+            if index >= self.window:
+                await self._parked()
+                continue
+            asked = time.perf_counter()
             try:
                 lease = await d.coordinator.stub.Lease(
                     coordinator_pb2.LeaseRequest(node_id=d.node_id, wait_seconds=LEASE_WAIT_S),
@@ -90,10 +151,15 @@ class Head:
                 continue
             failing_since = None
             if lease.status == Reply.STATUS_DONE:
+                self._run_over = True
+                self._window_changed.set()
                 return
             if lease.status != Reply.STATUS_GRANTED:
                 continue
-            await self._process(lease)
+            if await self._process(lease) and self.sizer is not None:
+                # Lease to commit, so the control plane's round trips count too.
+                self.sizer.add_round_trip(time.perf_counter() - asked)
+                self._resize()
 
     def _header(
         self,
@@ -126,10 +192,11 @@ class Head:
             )
         return header
 
-    async def _process(self, lease: coordinator_pb2.LeaseReply) -> None:
+    async def _process(self, lease: coordinator_pb2.LeaseReply) -> bool:
+        """Run one lease through the pipeline; whether a training microbatch was committed."""
         if lease.eval:
             await self._evaluate(lease)
-            return
+            return False
         d = self.ctx
         runtime = d.runtime
         tokens, labels = self.corpus.samples(lease.sample_start, lease.sample_count)
@@ -139,10 +206,12 @@ class Head:
         started = time.perf_counter()
         with d.status.track_microbatch():
             try:
+                d.status.step_times.forward_started(lease.step)
                 if runtime.is_last:  # a one-stage run: the head is the whole model
-                    last = await d.compute.run(
+                    last, seconds = await d.compute.run_timed(
                         FORWARD, lambda: runtime.forward_last(microbatch_id, tokens, labels)
                     )
+                    d.status.step_times.computed(lease.step, seconds)
                     loss_sum, n_tokens = last.loss_sum, last.tokens
                 else:
                     output, forward_s = await d.compute.run_timed(
@@ -151,7 +220,7 @@ class Head:
                     hop = await self._send_with_retries(header, output)
                     if hop is None:
                         await self._release(lease, "every attempt to send it downstream failed")
-                        return
+                        return False
                     await fault_points.reach("head.hop_done", lease.step)
                     grad = hop.grad_input
                     assert grad is not None
@@ -159,15 +228,16 @@ class Head:
                         BACKWARD, lambda: runtime.backward(key, grad)
                     )
                     d.links.record_compute(forward_s + backward_s)
+                    d.status.step_times.computed(lease.step, forward_s + backward_s)
                     loss_sum, n_tokens = hop.result.loss_sum, hop.result.tokens
             finally:
                 await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
         d.status.count_samples(lease.sample_count, seconds=time.perf_counter() - started)
-        await self._commit(lease, loss_sum, n_tokens)
+        return await self._commit(lease, loss_sum, n_tokens)
 
     async def _commit(
         self, lease: coordinator_pb2.LeaseReply, loss_sum: float, tokens: int
-    ) -> None:
+    ) -> bool:
         d = self.ctx
         reply = await d.coordinator.call(
             "Commit",
@@ -177,6 +247,7 @@ class Head:
         )
         if not reply.accepted:
             logger.warning("commit of lease %d refused: %s", lease.lease_id, reply.reason)
+        return bool(reply.accepted)
 
     async def _evaluate(self, lease: coordinator_pb2.LeaseReply) -> None:
         """An evaluation lease: held-out samples forward through the pipeline, loss committed."""

@@ -70,16 +70,21 @@ class TokenBucket:
         self.bytes_per_second = bytes_per_second
         self._burst_s = self._burst_bytes / bytes_per_second if bytes_per_second > 0 else 0.0
 
-    def reserve(self, nbytes: int) -> float:
-        """Grant `nbytes`; the seconds the caller must wait before it sends them."""
+    def reserve(self, nbytes: int, *, lag: float = 0.0) -> float:
+        """Grant `nbytes`; the seconds the caller must wait before it sends them.
+
+        `lag` > 0 is for a sender whose messages reach the peer that long after the line
+        released them (links.py's delay): it asks for a message the line already had ready
+        `lag` seconds ago, so the grant starts from then and the wait ends `lag` after it.
+        """
         if self.bytes_per_second == 0:
             return 0.0
         now = self._clock()
-        self._free_at = max(self._free_at, now) + nbytes / self.bytes_per_second
-        return max(0.0, self._free_at - self._burst_s - now)
+        self._free_at = max(self._free_at, now - lag) + nbytes / self.bytes_per_second
+        return max(0.0, self._free_at + lag - self._burst_s - now)
 
-    async def acquire(self, nbytes: int) -> None:
+    async def acquire(self, nbytes: int, *, lag: float = 0.0) -> None:
         """Wait (without blocking the event loop) until `nbytes` may be sent."""
-        delay = self.reserve(nbytes)
+        delay = self.reserve(nbytes, lag=lag)
         if delay > 0:
             await asyncio.sleep(delay)

@@ -1,24 +1,26 @@
-"""This node's links to its peers: the send limit, the measured bandwidth, the codec per link.
+"""This node's links to its peers: the send limit, the delay, the measured bandwidth, the codec.
 
 Every tensor the node sends on the data plane (activations downstream, gradients upstream,
 gradient sums to the other replicas) crosses its link inside a `Transfer`, which paces each
-message through the peer's token bucket (at no cost when the link has no limit) and times
-the transfer for the peer's bandwidth meter. Before encoding a tensor the sender asks
+message through the peer's token bucket (at no cost when the link has no limit), holds it
+for the link's one-way delay (none by default) and times the transfer for the peer's
+bandwidth meter. Before encoding a tensor the sender asks
 `codec_for`: a fixed codec is used as it is; in auto mode the link direction's
 `CodecChooser` picks from the link's measured bandwidth and this stage's measured compute
 time per microbatch. Each change of codec is kept (bounded) with when it happened, for
 telemetry and the testnet's report.
 
-The limits may change while the run goes on (`set_limit`, driven by the control plane's
-`LinkControl` messages). Nothing tells the meter or the chooser: the meter sees the new speed
-in the transfers themselves, and the codec choice follows the meter, as it would on a real
-link that slowed down.
+The limits and delays may change while the run goes on (`set_limit`, `set_latency`, driven
+by the control plane's `LinkControl` messages). Nothing tells the meter or the chooser: the
+meter sees the new speed in the transfers themselves, and the codec choice follows the
+meter, as it would on a real link that slowed down.
 
 Everything here runs on the node's event loop, so nothing needs a lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -36,7 +38,7 @@ from swarmpipe.node.link_limit import TokenBucket
 from swarmpipe.node.link_meter import BandwidthMeter, RecentMedian
 from swarmpipe.node.transport import EncodeOptions
 from swarmpipe.protos import control_pb2
-from swarmpipe.transport.limits import check_limit
+from swarmpipe.transport.limits import check_latency_ms, check_limit
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class _Direction:
     encoder: EncoderState | None = None
     """The topk/lowrank codecs' residual and warm start for this direction (made on first use)."""
     wire_bytes: int = 0
+    last_bytes: int = 0
+    """Wire bytes of the last tensor sent this way."""
     changes: deque[control_pb2.CodecChange] = field(
         default_factory=lambda: deque(maxlen=MAX_CHANGES)
     )
@@ -66,17 +70,30 @@ class _Link:
     bucket: TokenBucket
     """The send limit (rate 0: none)."""
     meter: BandwidthMeter
+    latency_s: float = 0.0
+    """One-way delay added to every message after the limit releases it (0: none)."""
     directions: dict[str, _Direction] = field(default_factory=dict)
 
 
 class Transfer:
-    """One tensor's trip over one link: paces its messages and times them for the meter."""
+    """One tensor's trip over one link: paces its messages and times them for the meter.
+
+    With a delay on the link, each message reaches the peer `latency_s` after the limit
+    releases it, as on a long line: the first message waits for its release and then the
+    delay; every later one was, on the line, already sent while the earlier ones were in
+    flight, so it asks the bucket as of `latency_s` ago and waits only for its own bytes.
+    So a tensor pays the delay once, not once per chunk, and concurrent transfers to one
+    peer overlap their delays: latency adds time, never takes throughput. The meter does
+    not count the delay as busy time (on a real network the kernel takes the bytes at line
+    rate and the delay happens after), so the codec choice sees the line's speed.
+    """
 
     def __init__(self, link: _Link, direction: _Direction) -> None:
         self._link = link
         self._direction = direction
         self.bytes = 0
         self._handed = 0  # bytes of the message the caller is sending now
+        self._lag: float | None = None  # this transfer's delay, fixed at its first message
 
     async def __aenter__(self) -> Transfer:
         self._link.meter.begin()
@@ -91,6 +108,8 @@ class Transfer:
         # Bytes of a failed transfer did cross the link, so they count all the same.
         self._flush()
         self._link.meter.end()
+        if self.bytes:
+            self._direction.last_bytes = self.bytes
 
     def _flush(self) -> None:
         if self._handed:
@@ -106,7 +125,20 @@ class Transfer:
         counts its bytes now.
         """
         self._flush()
-        await self._link.bucket.acquire(nbytes)
+        link = self._link
+        if self._lag is None:
+            self._lag = link.latency_s
+            await link.bucket.acquire(nbytes)
+            self._handed = nbytes
+            if self._lag > 0:
+                self._flush()  # released: its bytes are on the line, the rest is delay
+                link.meter.end()
+                try:
+                    await asyncio.sleep(self._lag)
+                finally:
+                    link.meter.begin()
+            return
+        await link.bucket.acquire(nbytes, lag=self._lag)
         self._handed = nbytes
 
     async def write(self, write: Callable[[Any], Awaitable[None]], message: Any) -> None:
@@ -129,6 +161,8 @@ class Links:
         self._links: dict[str, _Link] = {}
         self.limit_bytes_per_second = 0.0
         """The send limit links to new peers start with (0: none)."""
+        self.latency_s = 0.0
+        """The one-way delay links to new peers start with, in seconds (0: none)."""
         self.options = EncodeOptions()
         """The run's codec parameters, for encoding and for sizing the auto choice."""
         self.compute = RecentMedian()
@@ -136,9 +170,13 @@ class Links:
         few): the time budget a tensor's transfer must fit in for the link not to slow the
         pipeline."""
 
-    def configure(self, *, limit_bytes_per_second: float, options: EncodeOptions) -> None:
-        """Set the send limit (0: none) and the run's codec parameters, before any send."""
+    def configure(
+        self, *, limit_bytes_per_second: float, options: EncodeOptions, latency_s: float = 0.0
+    ) -> None:
+        """Set the send limit (0: none), the one-way delay and the run's codec parameters,
+        before any send."""
         self.set_limit(None, limit_bytes_per_second)
+        self.set_latency(None, latency_s)
         self.options = options
 
     def set_limit(self, peer: str | None, bytes_per_second: float) -> None:
@@ -154,6 +192,30 @@ class Links:
                 link.bucket.set_rate(bytes_per_second)
         else:
             self._link(peer).bucket.set_rate(bytes_per_second)
+
+    def set_latency(self, peer: str | None, seconds: float) -> None:
+        """Delay what this node sends to `peer` (None: to every peer, and to peers met
+        later) by `seconds` one way from now on; 0 removes the delay. Transfers already
+        under way keep the delay they started with."""
+        check_latency_ms(seconds * 1e3)
+        if peer is None:
+            self.latency_s = seconds
+            for link in self._links.values():
+                link.latency_s = seconds
+        else:
+            self._link(peer).latency_s = seconds
+
+    def latency(self, peer: str) -> float:
+        """The one-way delay to `peer` now, in seconds (0: none)."""
+        link = self._links.get(peer)
+        return link.latency_s if link else self.latency_s
+
+    async def propagate(self, peer: str) -> None:
+        """Wait out the link's delay for a small message sent outside a transfer (an
+        evaluation's result), so that it too arrives as late as the line would bring it."""
+        latency = self.latency(peer)
+        if latency > 0:
+            await asyncio.sleep(latency)
 
     def limit(self, peer: str) -> float:
         """The send limit to `peer` now (0: none)."""
@@ -176,7 +238,9 @@ class Links:
         link = self._links.get(peer)
         if link is None:
             bucket = TokenBucket(self.limit_bytes_per_second, clock=self._clock)
-            link = _Link(bucket=bucket, meter=BandwidthMeter(clock=self._clock))
+            link = _Link(
+                bucket=bucket, meter=BandwidthMeter(clock=self._clock), latency_s=self.latency_s
+            )
             self._links[peer] = link
         return link
 
@@ -191,6 +255,19 @@ class Links:
         """Measured bandwidth to `peer`; None until enough bytes have gone there."""
         link = self._links.get(peer)
         return link.meter.bytes_per_second if link else None
+
+    def seconds_per_tensor(self) -> list[float]:
+        """For each link direction that carries microbatches (not reduces): its last
+        tensor's wire bytes over the link's measured bandwidth."""
+        seconds = []
+        for link in self._links.values():
+            bandwidth = link.meter.bytes_per_second
+            if not bandwidth:
+                continue
+            for direction, state in link.directions.items():
+                if direction != "reduce" and state.last_bytes:
+                    seconds.append(state.last_bytes / bandwidth)
+        return seconds
 
     def record_compute(self, seconds: float) -> None:
         """Add one microbatch's forward plus backward seconds on this node."""
@@ -258,6 +335,7 @@ class Links:
                         direction=direction,
                         bytes_per_second=link.meter.bytes_per_second or 0.0,
                         limit_bytes_per_second=link.bucket.bytes_per_second,
+                        latency_ms=link.latency_s * 1e3,
                         wire_bytes=state.wire_bytes,
                         codec=state.codec,  # type: ignore[arg-type]
                         changes=list(state.changes),

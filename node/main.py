@@ -20,7 +20,7 @@ from pathlib import Path
 
 from swarmpipe.errors import ConfigError, NotAdmitted
 from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
-from swarmpipe.transport.limits import MBIT, check_limit
+from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where this node's stage trains (auto: the GPU with the least memory in use, "
         "else the CPU); default: the run's train.device",
     )
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="delay what this node sends to each peer by this many ms one way (0: none); "
+        "overrides the run's pipeline.link_latency_ms",
+    )
     add_metrics_arguments(parser)
 
 
@@ -111,6 +118,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
+    if args.latency_ms is not None:
+        check_latency_ms(args.latency_ms, what=f"--latency-ms {args.latency_ms:g}")
     if not 1.0 <= args.compute_slowdown <= 1000.0:
         raise ConfigError(f"--compute-slowdown {args.compute_slowdown:g}: give 1 to 1000")
     if not 0 < args.broker_retry <= 600:
@@ -136,6 +145,7 @@ async def serve(args: argparse.Namespace) -> int:
         compute_slowdown=args.compute_slowdown,
         ready_file=args.ready_file,
         link_mbit=args.link_mbit,
+        latency_ms=args.latency_ms,
         metrics=metrics,
         token=token,
         device=args.device,

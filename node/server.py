@@ -233,6 +233,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 result = stage_pb2.MicrobatchResult()
                 result.CopyFrom(hop.result)
                 result.stages_done += 1
+        await d.links.propagate(header.sender_node or header.origin_node)
         yield stage_pb2.BackwardMessage(result=result)
 
     async def FetchState(
@@ -293,6 +294,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 yield message
             return
         key = uuid.uuid4().hex
+        d.status.step_times.forward_started(header.step)
         with d.status.track_microbatch():
             try:
                 if runtime.is_last:
@@ -303,6 +305,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         ),
                     )
                     d.links.record_compute(seconds)
+                    d.status.step_times.computed(header.step, seconds)
                     grad_input = last.grad_input
                     result = stage_pb2.MicrobatchResult(
                         loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
@@ -327,6 +330,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"bad gradient: {exc}")
                         raise  # unreachable
                     d.links.record_compute(forward_s + backward_s)
+                    d.status.step_times.computed(header.step, forward_s + backward_s)
                     result = stage_pb2.MicrobatchResult()
                     result.CopyFrom(hop.result)
                     result.stages_done += 1

@@ -258,10 +258,11 @@ Global___StepState: _TypeAlias = StepState  # noqa: Y015
 
 @_typing.final
 class LinkControl(_message.Message):
-    """swarmpipe/<run>/control/<node_id> or control/all, retained: the send limit an organiser
-    puts on a node's links while the run goes on (`swarmpipe link-limit`, the testnet's
-    `link` churn). A node applies its own topic's setting over all's, and all's over the limit
-    it started with (pipeline.link_mbit or --link-mbit), whatever order they arrive in. The
+    """swarmpipe/<run>/control/<node_id> or control/all, retained: the send limit and the delay
+    an organiser puts on a node's links while the run goes on (`swarmpipe link-limit`, the
+    testnet's `link` churn). A node applies, field by field, its own topic's setting over
+    all's, and all's over what it started with (pipeline.link_mbit and link_latency_ms, or its
+    flags), whatever order they arrive in; a message replaces its topic's earlier one. The
     empty message (no field set) withdraws a topic's setting; sent retained, it also clears
     the retained one.
     """
@@ -269,19 +270,28 @@ class LinkControl(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LIMIT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_FIELD_NUMBER: _builtins.int
     limit_bytes_per_second: _builtins.float
     """0: no limit; 1 kbit/s to 10 Tbit/s else"""
+    latency_ms: _builtins.float
+    """one-way delay added to each send, 0 to 10000 ms"""
     def __init__(
         self,
         *,
         limit_bytes_per_second: _builtins.float | None = ...,
+        latency_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms", "_limit_bytes_per_second", b"_limit_bytes_per_second", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms", "_limit_bytes_per_second", b"_limit_bytes_per_second", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__latency_ms: _TypeAlias = _typing.Literal["latency_ms"]  # noqa: Y015
+    _WhichOneofArgType__latency_ms: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms"]  # noqa: Y015
     _WhichOneofReturnType__limit_bytes_per_second: _TypeAlias = _typing.Literal["limit_bytes_per_second"]  # noqa: Y015
     _WhichOneofArgType__limit_bytes_per_second: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__latency_ms) -> _WhichOneofReturnType__latency_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__limit_bytes_per_second) -> _WhichOneofReturnType__limit_bytes_per_second | None: ...
 
 Global___LinkControl: _TypeAlias = LinkControl  # noqa: Y015
@@ -368,6 +378,7 @@ class LinkEstimate(_message.Message):
     WIRE_BYTES_FIELD_NUMBER: _builtins.int
     CODEC_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_FIELD_NUMBER: _builtins.int
     peer: _builtins.str
     direction: _builtins.str
     """"activation", "gradient" or "reduce" """
@@ -379,6 +390,8 @@ class LinkEstimate(_message.Message):
     """every byte sent this way, message framing included"""
     codec: _tensor_pb2.Codec.ValueType
     """the codec it sends with now"""
+    latency_ms: _builtins.float
+    """this node's one-way delay on sends to the peer; 0: none"""
     @_builtins.property
     def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___CodecChange]:
         """oldest first; the first says when the link was first used"""
@@ -393,10 +406,11 @@ class LinkEstimate(_message.Message):
         wire_bytes: _builtins.int = ...,
         codec: _tensor_pb2.Codec.ValueType = ...,
         changes: _abc.Iterable[Global___CodecChange] | None = ...,
+        latency_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "changes", b"changes", "codec", b"codec", "direction", b"direction", "limit_bytes_per_second", b"limit_bytes_per_second", "peer", b"peer", "wire_bytes", b"wire_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "changes", b"changes", "codec", b"codec", "direction", b"direction", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second", "peer", b"peer", "wire_bytes", b"wire_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -418,6 +432,8 @@ class Telemetry(_message.Message):
     LINK_ESTIMATES_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
     COMPUTE_SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    STEP_TIMES_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_WINDOW_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     samples: _builtins.int
@@ -432,6 +448,8 @@ class Telemetry(_message.Message):
     thread's busy time): what this node could do, whatever traffic it gets.
     The coordinator's plan weights replicas by it.
     """
+    in_flight_window: _builtins.int
+    """a head's microbatches in flight now (its window); 0: not a head"""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCounter]:
         """bytes this node has sent, per peer"""
@@ -439,6 +457,10 @@ class Telemetry(_message.Message):
     @_builtins.property
     def link_estimates(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkEstimate]:
         """bandwidth and codec per link direction"""
+
+    @_builtins.property
+    def step_times(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepTimes]:
+        """where this node's time went, its latest steps"""
 
     def __init__(
         self,
@@ -453,11 +475,74 @@ class Telemetry(_message.Message):
         link_estimates: _abc.Iterable[Global___LinkEstimate] | None = ...,
         compute_seconds_per_microbatch: _builtins.float = ...,
         compute_samples_per_second: _builtins.float = ...,
+        step_times: _abc.Iterable[Global___StepTimes] | None = ...,
+        in_flight_window: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "in_flight_window", b"in_flight_window", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "step_times", b"step_times", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Telemetry: _TypeAlias = Telemetry  # noqa: Y015
+
+@_typing.final
+class StepTimes(_message.Message):
+    """Where one node's time went in one step, in seconds of its own clock
+    (node/step_times.py). The step's window on this node runs from its first forward
+    of the step to the step's APPLY; the boundary after it is reduce + apply + step_done
+    + next.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    TRAIN_S_FIELD_NUMBER: _builtins.int
+    COMPUTE_S_FIELD_NUMBER: _builtins.int
+    DRAIN_S_FIELD_NUMBER: _builtins.int
+    REDUCE_S_FIELD_NUMBER: _builtins.int
+    APPLY_S_FIELD_NUMBER: _builtins.int
+    STEP_DONE_S_FIELD_NUMBER: _builtins.int
+    NEXT_S_FIELD_NUMBER: _builtins.int
+    MICROBATCHES_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    train_s: _builtins.float
+    """its first forward of the step until APPLY arrived"""
+    compute_s: _builtins.float
+    """forward plus backward of the step's microbatches here"""
+    drain_s: _builtins.float
+    """end of its last compute of the step until APPLY arrived"""
+    reduce_s: _builtins.float
+    """APPLY arrived until the replicas' gradient sum was ready"""
+    apply_s: _builtins.float
+    """the optimizer step and the parameter digest"""
+    step_done_s: _builtins.float
+    """the StepDone call"""
+    next_s: _builtins.float
+    """StepDone answered until its first forward of the next step"""
+    microbatches: _builtins.int
+    """training microbatches this node computed in the step"""
+    complete: _builtins.bool
+    """every phase up to the next step's first forward was seen"""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        train_s: _builtins.float = ...,
+        compute_s: _builtins.float = ...,
+        drain_s: _builtins.float = ...,
+        reduce_s: _builtins.float = ...,
+        apply_s: _builtins.float = ...,
+        step_done_s: _builtins.float = ...,
+        next_s: _builtins.float = ...,
+        microbatches: _builtins.int = ...,
+        complete: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_s", b"apply_s", "complete", b"complete", "compute_s", b"compute_s", "drain_s", b"drain_s", "microbatches", b"microbatches", "next_s", b"next_s", "reduce_s", b"reduce_s", "step", b"step", "step_done_s", b"step_done_s", "train_s", b"train_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepTimes: _TypeAlias = StepTimes  # noqa: Y015

@@ -520,6 +520,7 @@ class LinkChoiceRecord(_message.Message):
     WIRE_BYTES_FIELD_NUMBER: _builtins.int
     CODEC_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_FIELD_NUMBER: _builtins.int
     src_node: _builtins.str
     dst_node: _builtins.str
     direction: _builtins.str
@@ -532,6 +533,8 @@ class LinkChoiceRecord(_message.Message):
     """message framing included"""
     codec: _builtins.str
     """the codec in use now"""
+    latency_ms: _builtins.float
+    """the sender's one-way delay; 0: none"""
     @_builtins.property
     def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___CodecChangeRecord]: ...
     def __init__(
@@ -545,10 +548,11 @@ class LinkChoiceRecord(_message.Message):
         wire_bytes: _builtins.int = ...,
         codec: _builtins.str = ...,
         changes: _abc.Iterable[Global___CodecChangeRecord] | None = ...,
+        latency_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "changes", b"changes", "codec", b"codec", "direction", b"direction", "dst_node", b"dst_node", "limit_bytes_per_second", b"limit_bytes_per_second", "src_node", b"src_node", "wire_bytes", b"wire_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "changes", b"changes", "codec", b"codec", "direction", b"direction", "dst_node", b"dst_node", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second", "src_node", b"src_node", "wire_bytes", b"wire_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -568,6 +572,8 @@ class NodeRecord(_message.Message):
     PARAM_DIGEST_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
     SERVING_FIELD_NUMBER: _builtins.int
+    STEP_TIMES_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_WINDOW_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     address: _builtins.str
@@ -582,6 +588,12 @@ class NodeRecord(_message.Message):
     """forward plus backward; 0: not measured yet"""
     serving: _builtins.bool
     """in the plan; false while it still downloads its stage's state"""
+    in_flight_window: _builtins.int
+    """a head's window of microbatches in flight; 0: not a head"""
+    @_builtins.property
+    def step_times(self) -> _containers.RepeatedCompositeFieldContainer[_control_pb2.StepTimes]:
+        """its latest telemetry's time breakdown per step"""
+
     def __init__(
         self,
         *,
@@ -595,10 +607,12 @@ class NodeRecord(_message.Message):
         param_digest: _builtins.str = ...,
         compute_seconds_per_microbatch: _builtins.float = ...,
         serving: _builtins.bool = ...,
+        step_times: _abc.Iterable[_control_pb2.StepTimes] | None = ...,
+        in_flight_window: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "serving", b"serving", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight_window", b"in_flight_window", "last_step", b"last_step", "node_id", b"node_id", "online", b"online", "param_digest", b"param_digest", "samples", b"samples", "samples_per_second", b"samples_per_second", "serving", b"serving", "stage", b"stage", "step_times", b"step_times"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -72,6 +72,8 @@ def toml_type(tp: Any) -> str:
         if len(args) == 2 and args[1] is Ellipsis:
             return f"array of {toml_type(args[0])}"
         return "[" + ", ".join(toml_type(a) for a in args) + "]"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(toml_type(a) for a in typing.get_args(tp))
     names = {int: "integer", float: "float", str: "string", bool: "boolean"}
     if tp in names:
         return names[tp]

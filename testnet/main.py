@@ -47,6 +47,7 @@ from swarmpipe.testnet.picture import write_picture
 from swarmpipe.testnet.processes import COORDINATOR, Child, ProcessGroup
 from swarmpipe.testnet.profiles import parse_profiles
 from swarmpipe.testnet.progress import ProgressBar
+from swarmpipe.testnet.time_breakdown import time_breakdown
 from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CredentialHolder
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.rpc import open_channel
@@ -86,12 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="limit every link to this many Mbit/s in each direction (pipeline.link_mbit)",
     )
     parser.add_argument(
+        "--latency-ms",
+        type=float,
+        help="delay everything each node sends to each peer by this many ms one way "
+        "(pipeline.link_latency_ms)",
+    )
+    parser.add_argument(
         "--node-profile",
         action="append",
         default=[],
-        metavar="NODE=mbit:X,slow:Y",
-        help="give one node its own send limit (Mbit/s on each link) and a compute slowdown "
-        "factor, e.g. 'n0=mbit:50,slow:2'; repeat for other nodes",
+        metavar="NODE=mbit:X,slow:Y,lat:MS",
+        help="give one node its own send limit (Mbit/s on each link), compute slowdown "
+        "factor and one-way delay (ms), e.g. 'n0=mbit:50,slow:2,lat:80'; repeat for other nodes",
     )
     parser.add_argument(
         "--churn",
@@ -130,6 +137,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         extra.append(f"train.steps={args.steps}")
     if args.link_mbit is not None:
         extra.append(f"pipeline.link_mbit={args.link_mbit}")
+    if args.latency_ms is not None:
+        extra.append(f"pipeline.link_latency_ms={args.latency_ms}")
     return extra
 
 
@@ -585,6 +594,7 @@ def link_choices(status: coordinator_pb2.StatusReply, started: float) -> list[di
             "direction": c.direction,
             "measured_mbit": c.bytes_per_second * 8 / 1e6,
             "limit_mbit": c.limit_bytes_per_second * 8 / 1e6,
+            "latency_ms": c.latency_ms,
             "wire_bytes": c.wire_bytes,
             "codec": c.codec,
             "timeline": [
@@ -656,6 +666,10 @@ def build_report(
         "compute_ms_per_microbatch": {
             n.node_id: n.compute_seconds_per_microbatch * 1e3 for n in status.nodes
         },
+        # Each head's window of microbatches in flight at the end (pipeline.in_flight).
+        "in_flight": {n.node_id: n.in_flight_window for n in status.nodes if n.in_flight_window},
+        # Where the time went: the coordinator's step boundaries and each node's phases.
+        "time_breakdown": time_breakdown(status),
         "counters": sample_counters(c),
         "members": [
             {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,28 @@ def test_auto_codecs_and_a_link_limit_load() -> None:
 def test_the_deploy_example_config_loads() -> None:
     config = load_config(Path(__file__).resolve().parent.parent / "deploy" / "run.toml")
     assert config.run_id == "community-gpt" and config.pipeline.activation_codec == "int8"
+
+
+def test_in_flight_is_a_number_or_auto() -> None:
+    assert load_config(None, []).pipeline.in_flight == "auto"
+    fixed = load_config(None, ["pipeline.in_flight=4"])
+    assert fixed.pipeline.in_flight == 4
+    assert RunConfig.from_json(fixed.to_json()) == fixed
+    auto = load_config(None, ["pipeline.in_flight=auto"])
+    assert RunConfig.from_json(auto.to_json()) == auto
+    for value, words in [
+        ("many", "give a number >= 1 or 'auto'"),
+        ("1.5", "must be int or str, got 1.5"),
+        ("true", "must be int or str, got True"),
+        ("0", "must be >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_config(None, [f"pipeline.in_flight={value}"])
+
+
+def test_link_latency_is_checked() -> None:
+    assert load_config(None, ["pipeline.link_latency_ms=50"]).pipeline.link_latency_ms == 50.0
+    with pytest.raises(
+        ConfigError, match=re.escape("pipeline.link_latency_ms=-1.0 is out of range")
+    ):
+        load_config(None, ["pipeline.link_latency_ms=-1"])

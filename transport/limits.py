@@ -1,8 +1,9 @@
-"""Send limits: the unit and the range every setting of a link's speed is checked against.
+"""Send limits and link delays: the units and the ranges every link setting is checked against.
 
-A send limit is kept in bytes per second and given by people in Mbit/s. The config, the
-control plane's `LinkControl`, the testnet's churn schedule and the node's limiter all check
-limits here, so one figure means the same everywhere.
+A send limit is kept in bytes per second and given by people in Mbit/s; a one-way delay is
+given in milliseconds. The config, the control plane's `LinkControl`, the testnet's churn
+schedule and profiles and the node's limiter all check them here, so one figure means the
+same everywhere.
 """
 
 from __future__ import annotations
@@ -36,4 +37,20 @@ def check_limit(bytes_per_second: float, *, what: str = "") -> float:
     raise ConfigError(
         f"{what} is out of range: give 0 (no limit) or {MIN_LIMIT / MBIT:g} to "
         f"{MAX_LIMIT / MBIT:g} Mbit/s (1 kbit/s to 10 Tbit/s)"
+    )
+
+
+MAX_LATENCY_MS = 10_000.0
+"""The longest one-way delay accepted, 10 s: geostationary satellite hops are about 600 ms,
+so more is a unit mistake (microseconds for milliseconds)."""
+
+
+def check_latency_ms(ms: float, *, what: str = "") -> float:
+    """`ms` if it is a usable one-way link delay in milliseconds (0: none), else a
+    ConfigError naming `what` (e.g. "pipeline.link_latency_ms=-1")."""
+    if math.isfinite(ms) and 0 <= ms <= MAX_LATENCY_MS:
+        return ms
+    what = what or f"a link latency of {ms:g} ms"
+    raise ConfigError(
+        f"{what} is out of range: give 0 (none) to {MAX_LATENCY_MS:g} ms of one-way delay"
     )

@@ -109,13 +109,20 @@ def test_one_node_can_have_its_own_slow_link(procs, tiny) -> None:  # type: igno
             assert choice.codec != "lossless" and choice.changes[0].codec == "lossless"
 
 
-def test_a_negative_node_link_limit_is_a_clear_error() -> None:
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (["--link-mbit", "-1"], "--link-mbit -1.0 is out of range"),
+        (["--latency-ms", "-1"], "--latency-ms -1 is out of range"),
+    ],
+)
+def test_a_negative_node_link_setting_is_a_clear_error(flag: list[str], message: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "swarmpipe", "node", "--coordinator", "127.0.0.1:9",
-         "--link-mbit", "-1"],
+        [sys.executable, "-m", "swarmpipe", "node", "--coordinator", "127.0.0.1:9", *flag],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert done.returncode == 2 and "--link-mbit -1.0 is out of range" in done.stderr
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.slow
@@ -142,19 +149,27 @@ def test_link_limit_command_reaches_running_and_late_nodes(procs, tiny, tmp_path
     channel = grpc.insecure_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
 
-    def limits_are(expected: dict[str, float]) -> Any:
+    def limits_are(expected: dict[str, float], delays: dict[str, float] | None = None) -> Any:
+        delays = delays or {"n0": 0.0, "n1": 0.0}
+
         def check() -> dict[str, float] | None:
             status = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
             assert not status.done, "the run ended before the test did"
             limits = {c.src_node: c.limit_bytes_per_second for c in status.link_choices}
-            return limits if limits == expected else None
+            seen = {c.src_node: c.latency_ms for c in status.link_choices}
+            return limits if (limits, seen) == (expected, delays) else None
 
-        return poll_until(check, 120, f"send limits {expected}")
+        return poll_until(check, 120, f"send limits {expected}, delays {delays}")
 
     try:
         limits_are({"n0": 6_250_000.0, "n1": 6_250_000.0})
         asyncio.run(publish_garbage())
         link_limit("--node", "n0", "--mbit", "2")  # a node's own setting wins over all's
+        limits_are({"n0": 250_000.0, "n1": 6_250_000.0})
+        # A delay alone: n1's limit stays all's, and the run goes on over the longer line.
+        link_limit("--node", "n1", "--latency-ms", "40")
+        limits_are({"n0": 250_000.0, "n1": 6_250_000.0}, {"n0": 0.0, "n1": 40.0})
+        link_limit("--node", "n1", "--clear")
         limits_are({"n0": 250_000.0, "n1": 6_250_000.0})
         link_limit("--node", "n0", "--clear")
         limits_are({"n0": 6_250_000.0, "n1": 6_250_000.0})

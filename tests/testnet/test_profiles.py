@@ -15,6 +15,9 @@ def test_profiles_become_node_flags() -> None:
     assert profiles["n2"].node_args() == ["--compute-slowdown", "3.5"]
     assert NodeProfile(mbit=0.0).node_args() == ["--link-mbit", "0"]  # 0: no limit
     assert parse_profiles([], nodes=3) == {}
+    [(name, far)] = parse_profiles(["n1=lat:80,mbit:100"], nodes=3).items()
+    assert name == "n1" and far == NodeProfile(mbit=100.0, lat=80.0)
+    assert far.node_args() == ["--link-mbit", "100", "--latency-ms", "80"]
 
 
 @pytest.mark.parametrize(
@@ -22,11 +25,13 @@ def test_profiles_become_node_flags() -> None:
     [
         ("n0", "give NODE=mbit:X,slow:Y"),
         ("n9=slow:2", "no node 'n9' in this testnet (n0 to n2)"),
-        ("n0=fast:2", "'fast:2' is not mbit:NUMBER or slow:NUMBER"),
-        ("n0=slow:two", "'slow:two' is not mbit:NUMBER or slow:NUMBER"),
-        ("n0=slow:nan", "is not mbit:NUMBER or slow:NUMBER"),
+        ("n0=fast:2", "'fast:2' is not mbit:NUMBER, slow:NUMBER or lat:MS"),
+        ("n0=slow:two", "'slow:two' is not mbit:NUMBER, slow:NUMBER or lat:MS"),
+        ("n0=slow:nan", "is not mbit:NUMBER, slow:NUMBER or lat:MS"),
         ("n0=slow:0.5", "slow:0.5 must be 1 to 1000"),
         ("n0=mbit:-3", "out of range"),
+        ("n0=lat:-1", "n0 lat:-1 is out of range"),
+        ("n0=lat:20000", "give 0 (none) to 10000 ms"),
     ],
 )
 def test_a_bad_profile_says_what_is_wrong(item: str, words: str) -> None:

@@ -69,6 +69,16 @@ def test_testnet_trains_reports_and_leaves_nothing(tmp_path: Path, tiny: list[st
     assert all(s["samples_per_second"] > 0 for s in report["steps"])
     assert {m["stage"] for m in report["members"]} == {0, 1, 2}
     assert report["links"] and all(link["bytes"] > 0 for link in report["links"])
+    # Where the time went: each step's boundary, and each node's phases adding up to 1.
+    breakdown = report["time_breakdown"]
+    assert [s["step"] for s in breakdown["coordinator"]["steps"]] == [0, 1, 2, 3]
+    assert all(s["boundary_s"] >= 0 for s in breakdown["coordinator"]["steps"][:-1])
+    assert breakdown["coordinator"]["steps_counted"] == 2  # steps 1 and 2: whole cycles
+    for node in breakdown["nodes"].values():
+        assert [s["step"] for s in node["steps"]][:3] == [0, 1, 2]
+        assert node["steps_counted"] >= 1
+        assert sum(node["shares"].values()) == pytest.approx(1.0)
+        assert node["totals"]["compute_s"] > 0
     # Each node in the timeline with its stage, and the picture drawn from it all. (Whether
     # a poll saw it online depends on the 0.25 s poll: a 4-step run can end between two.)
     seen = {(t["node"], t["stage"]) for t in report["node_timeline"]}
@@ -241,7 +251,7 @@ def test_node_profiles_make_one_node_slow_and_limit_anothers_links(
 ) -> None:
     popen = _start(
         tmp_path, tiny, "--steps", "12", "--nodes", "3",
-        "--node-profile", "n1=slow:5", "--node-profile", "n2=mbit:5",
+        "--node-profile", "n1=slow:5", "--node-profile", "n2=mbit:5,lat:30",
     )  # fmt: skip
     output = _finish(popen)
     assert popen.returncode == 0, output
@@ -252,6 +262,9 @@ def test_node_profiles_make_one_node_slow_and_limit_anothers_links(
     limits = {(c["src"], c["dst"]): c["limit_mbit"] for c in report["link_choices"]}
     assert {limit for (src, _), limit in limits.items() if src == "n2"} == {5.0}, limits
     assert all(not limit for (src, _), limit in limits.items() if src != "n2"), limits  # 0: none
+    delays = {(c["src"], c["dst"]): c["latency_ms"] for c in report["link_choices"]}
+    assert {d for (src, _), d in delays.items() if src == "n2"} == {30.0}, delays
+    assert not any(d for (src, _), d in delays.items() if src != "n2"), delays
     cmd = ["testnet", "--nodes", "3", "--node-profile", "n7=slow:2"]
     bad = subprocess.run(
         [sys.executable, "-m", "swarmpipe", *cmd], capture_output=True, text=True, timeout=60
