@@ -124,6 +124,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(service.watch_mqtt())
+    rebalancing = asyncio.create_task(service.rebalance_loop())
     try:
         await server.start()
         logger.info(
@@ -157,6 +158,7 @@ async def serve(args: argparse.Namespace) -> int:
             print("\n".join(summary_lines(service.status())), flush=True)
         logger.info("stopping")
     finally:
+        rebalancing.cancel()
         watch.cancel()
         # Its exception, if any, was raised above; the server must stop all the same.
         await asyncio.gather(watch, return_exceptions=True)

@@ -713,10 +713,47 @@ def rebalance(
     return moves
 
 
+def refill(
+    assignment: Mapping[str, int],
+    nodes: Mapping[str, NodeCaps],
+    stages: Sequence[StageSpec],
+    policy: PlacementPolicy,
+    *,
+    targets: Iterable[int],
+) -> list[Move]:
+    """Rebalancing's first rule alone: give each of `targets` (stages with no replica in
+    `assignment`) the node that costs the rest least, never a stage's last replica. The
+    coordinator calls it the moment a stage loses its last replica; `rebalance` does the
+    same as its step 1."""
+    rates = rate_table((nodes[k] for k in assignment), stages)
+    layout = _Layout(rates, assignment, len(stages))
+    moves: list[Move] = []
+    taken: set[str] = set()
+    for empty in targets:
+        if layout.members[empty]:
+            continue
+        step = _refill(layout, empty, lambda n: n not in taken)
+        for node_id, src, dst in step:
+            layout.move(node_id, dst)
+            taken.add(node_id)
+            dl = download_seconds(nodes[node_id], stages[dst], policy)
+            moves.append(
+                Move(
+                    node_id=node_id,
+                    from_stage=src,
+                    to_stage=dst,
+                    reason="empty-stage",
+                    download_s=dl,
+                )
+            )
+    return moves
+
+
 def _refill(layout: _Layout, empty: int, movable: Callable[[str], bool]) -> Step:
     """The node to move onto an empty stage: the one that leaves the best bound behind."""
     for min_count in (3, 2):
-        best_v, best = -1.0, None
+        best_v: tuple[float, float] = (-1.0, 0.0)
+        best = None
         for s, members in enumerate(layout.members):
             if len(members) < min_count:
                 continue
@@ -724,7 +761,8 @@ def _refill(layout: _Layout, empty: int, movable: Callable[[str], bool]) -> Step
                 if not movable(node_id):
                     continue
                 r = layout.rates[node_id]
-                v = min(r[empty], layout.totals[s] - r[s])
+                # Ties go to the node slower where it is: its stage loses least.
+                v = (min(r[empty], layout.totals[s] - r[s]), -r[s])
                 if v > best_v:
                     best_v, best = v, (node_id, s, empty)
         if best is not None:

@@ -28,6 +28,7 @@ import grpc
 from swarmpipe.config import RunConfig, codec_enum, codec_name
 from swarmpipe.control.bus import BrokerAddress, BrokerAuthError, Topics, make_client
 from swarmpipe.coordinator.membership import Member, Membership, MoveOrder
+from swarmpipe.coordinator.placement import PlacementPolicy
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.errors import PeerError, SwarmpipeError
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
@@ -51,6 +52,19 @@ MAX_NODE_ID_LEN = 128
 # At most one plan per this many seconds for routing-weight changes alone
 # (membership changes publish at once): every plan reaches every node.
 PLAN_REFRESH_S = 5.0
+# A large change in a node's rate is looked for at most this often.
+RATE_CHECK_S = 2.0
+
+
+def placement_policy(config: RunConfig) -> PlacementPolicy:
+    """The placement policy the run's `coordinator` section sets."""
+    c = config.coordinator
+    return PlacementPolicy(
+        min_gain=c.move_min_gain,
+        horizon_s=c.move_horizon_s,
+        cooldown_s=c.move_cooldown_s,
+        move_overhead_s=c.move_overhead_s,
+    )
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -75,7 +89,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             num_stages=config.pipeline.stages,
             activation_codec=codec_enum(config.pipeline.activation_codec),
             gradient_codec=codec_enum(config.pipeline.gradient_codec),
+            policy=placement_policy(config),
         )
+        self._rates_checked_at = 0.0
         self.protocol = StepProtocol(
             total_steps=config.train.steps,
             global_batch=config.train.global_batch,
@@ -131,9 +147,50 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _heal(self) -> None:
         """A stage lost its last replica and nobody is on the way: move one there."""
-        order = self.membership.heal()
-        if order is not None:
+        while (order := self.membership.heal()) is not None:
             await self._moved(order)
+
+    def _may_move(self) -> bool:
+        p = self.protocol
+        return bool(p.history) and p.phase not in (Phase.SAVING, Phase.DONE)
+
+    async def rebalance(self, why: str) -> int:
+        """One rebalancing round now; how many moves it ordered."""
+        if not self._may_move():
+            return 0
+        orders = self.membership.rebalance(time.monotonic())
+        if orders:
+            logger.info("rebalancing (%s): %d move(s)", why, len(orders))
+        for order in orders:
+            await self._moved(order)
+        if orders:
+            await self._after_change()
+        return len(orders)
+
+    async def rebalance_loop(self) -> None:
+        """Rebalance every `coordinator.rebalance_every_s` (0: never)."""
+        every = self.config.coordinator.rebalance_every_s
+        if every <= 0:
+            return
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.rebalance("periodic")
+            except Exception:  # one bad round must not end rebalancing for the run
+                logger.exception("a rebalancing round failed; trying again next round")
+
+    async def _check_rates(self) -> None:
+        """A node's rate moved by a quarter or more since the last round: rebalance now,
+        not at the next tick (checked at most once per RATE_CHECK_S: each check reads the
+        whole fleet's telemetry)."""
+        now = time.monotonic()
+        if self.config.coordinator.rebalance_every_s <= 0 or not self._may_move():
+            return
+        if now - self._rates_checked_at < RATE_CHECK_S:
+            return
+        self._rates_checked_at = now
+        if self.membership.rates_changed():
+            await self.rebalance("a node's rate changed")
 
     async def _moved(self, order: MoveOrder) -> None:
         """Log, record and publish a move the membership made. The mover owes nothing to
@@ -223,7 +280,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         elif p.phase is Phase.TRAINING and not self.membership.covered():
             logger.warning("a stage has no live node; leasing paused until one joins")
             p.pause()
-        if p.history and p.phase is not Phase.DONE and p.phase is not Phase.SAVING:
+        if self._may_move():
             await self._heal()
         if p.phase is Phase.APPLY:
             if before[0] is not Phase.APPLY:
@@ -714,6 +771,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 await self._on_presence(node_id, presence)
             elif what == "telemetry" and member is not None:
                 member.telemetry = control_pb2.Telemetry.FromString(bytes(payload))
+                await self._check_rates()
                 now = time.monotonic()
                 if (
                     now - self._plan_published_at > PLAN_REFRESH_S

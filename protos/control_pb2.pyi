@@ -261,19 +261,30 @@ class LinkControl(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LIMIT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    COMPUTE_SLOWDOWN_FIELD_NUMBER: _builtins.int
     limit_bytes_per_second: _builtins.float
     """0: no limit; 1 kbit/s to 10 Tbit/s else"""
+    compute_slowdown: _builtins.float
+    """The testnet's `profile NODE=slow:F` churn: make the node's compute F times slower
+    (1 to 1000; 1: as fast as its machine). Absent: the node keeps the slowdown it has.
+    """
     def __init__(
         self,
         *,
         limit_bytes_per_second: _builtins.float | None = ...,
+        compute_slowdown: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_compute_slowdown", b"_compute_slowdown", "_limit_bytes_per_second", b"_limit_bytes_per_second", "compute_slowdown", b"compute_slowdown", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_compute_slowdown", b"_compute_slowdown", "_limit_bytes_per_second", b"_limit_bytes_per_second", "compute_slowdown", b"compute_slowdown", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__compute_slowdown: _TypeAlias = _typing.Literal["compute_slowdown"]  # noqa: Y015
+    _WhichOneofArgType__compute_slowdown: _TypeAlias = _typing.Literal["_compute_slowdown", b"_compute_slowdown"]  # noqa: Y015
     _WhichOneofReturnType__limit_bytes_per_second: _TypeAlias = _typing.Literal["limit_bytes_per_second"]  # noqa: Y015
     _WhichOneofArgType__limit_bytes_per_second: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__compute_slowdown) -> _WhichOneofReturnType__compute_slowdown | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__limit_bytes_per_second) -> _WhichOneofReturnType__limit_bytes_per_second | None: ...
 
 Global___LinkControl: _TypeAlias = LinkControl  # noqa: Y015
@@ -410,6 +421,9 @@ class Telemetry(_message.Message):
     LINK_ESTIMATES_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_PER_MICROBATCH_FIELD_NUMBER: _builtins.int
     COMPUTE_SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    CALIBRATED_SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    STAGE_FLOPS_PER_SAMPLE_FIELD_NUMBER: _builtins.int
+    STAGE_STATE_BYTES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     samples: _builtins.int
@@ -424,6 +438,17 @@ class Telemetry(_message.Message):
     thread's busy time): what this node could do, whatever traffic it gets.
     The coordinator's plan weights replicas by it.
     """
+    calibrated_samples_per_second: _builtins.float
+    """What placement needs besides the measured rates (coordinator/fleet_model.py):
+    samples/s of forward plus backward on this node's stage from a short calibration run
+    before it took traffic (0: not run), so a node not measured yet is not a guess;
+    """
+    stage_flops_per_sample: _builtins.float
+    """the stage's compute per sample (forward plus backward multiply-adds of its weights),
+    so a rate on one stage predicts the rate on another;
+    """
+    stage_state_bytes: _builtins.float
+    """and the bytes of the stage's state (parameters and optimizer), what a mover downloads."""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCounter]:
         """bytes this node has sent, per peer"""
@@ -445,10 +470,13 @@ class Telemetry(_message.Message):
         link_estimates: _abc.Iterable[Global___LinkEstimate] | None = ...,
         compute_seconds_per_microbatch: _builtins.float = ...,
         compute_samples_per_second: _builtins.float = ...,
+        calibrated_samples_per_second: _builtins.float = ...,
+        stage_flops_per_sample: _builtins.float = ...,
+        stage_state_bytes: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibrated_samples_per_second", b"calibrated_samples_per_second", "compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "stage_flops_per_sample", b"stage_flops_per_sample", "stage_state_bytes", b"stage_state_bytes", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
