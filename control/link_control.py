@@ -49,28 +49,62 @@ def describe(bytes_per_second: float | None) -> str:
     return f"{bytes_per_second / MBIT:g} Mbit/s" if bytes_per_second else "no limit"
 
 
-def encode(bytes_per_second: float | None) -> bytes:
-    """The payload that sets `bytes_per_second` (0: no limit), or withdraws (None)."""
-    if bytes_per_second is None:
+MAX_SLOWDOWN = 1000.0
+"""The most a compute slowdown may be (`compute_slowdown`: 1 to this)."""
+
+
+def check_slowdown(factor: float, *, what: str = "") -> float:
+    """`factor` when it is a slowdown a node accepts (1 to MAX_SLOWDOWN); a ConfigError
+    saying so otherwise. `what` names the setting in the message."""
+    if not 1.0 <= factor <= MAX_SLOWDOWN:  # NaN fails too
+        what = what or f"a compute slowdown of {factor:g}"
+        raise ConfigError(
+            f"{what} is out of range: give 1 to {MAX_SLOWDOWN:g} (how many times slower than "
+            "the machine computes)"
+        )
+    return factor
+
+
+def encode(bytes_per_second: float | None, *, slowdown: float | None = None) -> bytes:
+    """The payload that sets `bytes_per_second` (0: no limit), or withdraws it (None), and
+    sets the compute slowdown when one is given (the testnet's `profile` churn)."""
+    if bytes_per_second is None and slowdown is None:
         return b""  # also what clears a retained message
-    check_limit(bytes_per_second)
-    message = control_pb2.LinkControl(limit_bytes_per_second=bytes_per_second)
+    message = control_pb2.LinkControl()
+    if bytes_per_second is not None:
+        message.limit_bytes_per_second = check_limit(bytes_per_second)
+    if slowdown is not None:
+        message.compute_slowdown = check_slowdown(slowdown)
     return message.SerializeToString()
 
 
 def decode(payload: bytes) -> float | None:
     """The limit a `LinkControl` payload sets (None: it withdraws); a PeerError when it
     does not parse or its limit is out of range."""
+    return decode_both(payload)[0]
+
+
+def decode_both(payload: bytes) -> tuple[float | None, float | None]:
+    """(limit, compute slowdown) a `LinkControl` payload sets, None for what it leaves out;
+    a PeerError when it does not parse or a value is out of range."""
     try:
         message = control_pb2.LinkControl.FromString(payload)
     except DecodeError as exc:
         raise PeerError(f"not a LinkControl message ({len(payload)} bytes): {exc}") from exc
-    if not message.HasField("limit_bytes_per_second"):
-        return None
     try:
-        return check_limit(message.limit_bytes_per_second)
+        limit = (
+            check_limit(message.limit_bytes_per_second)
+            if message.HasField("limit_bytes_per_second")
+            else None
+        )
+        slowdown = (
+            check_slowdown(message.compute_slowdown)
+            if message.HasField("compute_slowdown")
+            else None
+        )
     except ConfigError as exc:
         raise PeerError(str(exc)) from exc
+    return limit, slowdown
 
 
 class LinkSettings:
@@ -84,6 +118,8 @@ class LinkSettings:
         self.start_limit = start_limit
         self._own: float | None = None
         self._all: float | None = None
+        self._own_slowdown: float | None = None
+        self._all_slowdown: float | None = None
 
     @property
     def limit(self) -> float:
@@ -93,18 +129,28 @@ class LinkSettings:
                 return setting
         return self.start_limit
 
+    @property
+    def slowdown(self) -> float | None:
+        """The compute slowdown the messages set (own over all); None: the node's own."""
+        return self._own_slowdown if self._own_slowdown is not None else self._all_slowdown
+
     def on_message(self, target: str, payload: bytes) -> bool:
         """Take one message of `control/<target>`; whether it is for this node.
 
-        A PeerError, and no change, for a malformed message.
+        A PeerError, and no change, for a malformed message. A message without a slowdown
+        leaves the slowdown its topic set before.
         """
         if target not in (self.node_id, ALL):
             return False
-        setting = decode(payload)
+        setting, slowdown = decode_both(payload)
         if target == ALL:
             self._all = setting
+            if slowdown is not None or not payload:
+                self._all_slowdown = slowdown
         else:
             self._own = setting
+            if slowdown is not None or not payload:
+                self._own_slowdown = slowdown
         return True
 
 
@@ -117,14 +163,19 @@ def check_node(node: str) -> str:
 
 
 async def publish(
-    broker: BrokerAddress, run_id: str, node: str, bytes_per_second: float | None
+    broker: BrokerAddress,
+    run_id: str,
+    node: str,
+    bytes_per_second: float | None,
+    *,
+    slowdown: float | None = None,
 ) -> str:
     """Publish a retained LinkControl for `node` (or `all`); returns the topic.
 
     A SwarmpipeError when the broker cannot be reached or does not acknowledge in time.
     """
     topic = Topics(run_id).control(check_node(node))
-    payload = encode(bytes_per_second)
+    payload = encode(bytes_per_second, slowdown=slowdown)
     try:
         async with make_client(broker, f"swarmpipe-link-limit-{os.getpid()}") as client:
             await client.publish(topic, payload, qos=1, retain=True, timeout=PUBLISH_TIMEOUT_S)
