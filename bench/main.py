@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, str] = {
     "join": "seconds from a node's start to taking traffic when it joins a running run",
     "codecs": "each codec's wire bytes, MB/s and error on activation/gradient tensors, "
     "beside hivemind's codecs when importable",
+    "rebalance": "samples/s before and after one node's link falls to a tenth, and after the "
+    "coordinator rebalances, beside the throughput model's bound",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
 }

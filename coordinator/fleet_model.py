@@ -14,6 +14,11 @@ What each figure comes from (protos/control.proto, `Telemetry`):
 - Bytes per sample across each cut, per direction: a sender's `wire_bytes` on its activation
   (gradient) links over the samples it processed, the median over a stage's replicas (the
   codecs in use are in those bytes: a link that compresses harder shows fewer).
+- The replicas' reduce (gradient sums among a stage's replicas, once a step) is link load
+  too: its `wire_bytes` over the samples, the median over the stage's replicas, is added to
+  the stage's bytes each way (a replica receives what the others send it). With few samples
+  a step it can outweigh the activations, and a replica whose link fell holds up every
+  step's reduce of its stage.
 - A node's outbound bandwidth: the mean of what its link meters measured to its peers (the
   meters time transfers, so this is what a link carries, not what traffic happened to use).
   Its inbound bandwidth: the most that any node sending to it measured (a link is as fast
@@ -28,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from swarmpipe.coordinator import placement
 from swarmpipe.protos import control_pb2
@@ -36,7 +41,7 @@ from swarmpipe.protos import control_pb2
 # Bytes per sample are counted once a node has processed this many samples: the first
 # microbatches carry link set-up and codec probing and overstate the steady figure.
 MIN_SAMPLES_FOR_BYTES = 8
-_DATA_DIRECTIONS = ("activation", "gradient")
+_LINK_DIRECTIONS = ("activation", "gradient", "reduce")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +89,7 @@ def stage_specs(fleet: Sequence[Observed], num_stages: int) -> tuple[placement.S
             state.setdefault(o.stage, []).append(t.stage_state_bytes)
         if t.samples < MIN_SAMPLES_FOR_BYTES:
             continue
-        sent = {d: 0 for d in _DATA_DIRECTIONS}
+        sent = dict.fromkeys(_LINK_DIRECTIONS, 0)
         for e in t.link_estimates:
             if e.direction in sent:
                 sent[e.direction] += e.wire_bytes
@@ -98,7 +103,15 @@ def stage_specs(fleet: Sequence[Observed], num_stages: int) -> tuple[placement.S
     activation = [median((s, "activation")) for s in range(num_stages - 1)]
     gradient = [median((s + 1, "gradient")) for s in range(num_stages - 1)]
     states = [statistics.median(state[s]) if s in state else 0.0 for s in range(num_stages)]
-    return placement.stages_from_cuts(costs, activation, gradient, states)
+    specs = placement.stages_from_cuts(costs, activation, gradient, states)
+    return tuple(
+        replace(
+            spec,
+            bytes_in_per_sample=spec.bytes_in_per_sample + median((s, "reduce")),
+            bytes_out_per_sample=spec.bytes_out_per_sample + median((s, "reduce")),
+        )
+        for s, spec in enumerate(specs)
+    )
 
 
 def node_caps(
@@ -113,7 +126,7 @@ def node_caps(
         seen: set[str] = set()
         for e in o.telemetry.link_estimates:
             # The meter is per link, shared by its directions: count each peer once.
-            if e.direction in _DATA_DIRECTIONS and e.bytes_per_second > 0 and e.peer not in seen:
+            if e.direction in _LINK_DIRECTIONS and e.bytes_per_second > 0 and e.peer not in seen:
                 seen.add(e.peer)
                 out_bw.setdefault(o.node_id, []).append(e.bytes_per_second)
                 in_bw.setdefault(e.peer, []).append(e.bytes_per_second)

@@ -71,6 +71,25 @@ class MoveOrder:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class NodeRateView:
+    node_id: str
+    stage: int
+    compute: float
+    effective: float
+    limited_by: str
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputView:
+    """`Membership.throughput`: what the model makes of the serving nodes, in samples/s."""
+
+    bound: float
+    best_bound: float
+    stage_rates: list[float]
+    nodes: list[NodeRateView]
+
+
 @dataclass(slots=True)
 class Membership:
     """The coordinator's view of the nodes, and the plan it publishes."""
@@ -197,6 +216,35 @@ class Membership:
         live = self.live()
         specs, caps = self.fleet(live)
         return {m.node_id: placement.effective_rate(caps[m.node_id], specs, m.stage) for m in live}
+
+    def throughput(self) -> ThroughputView:
+        """The throughput model of the serving nodes: the bound of where they are, the best
+        plan's bound for the same nodes, each stage's rate and each node's."""
+        live = self.live()
+        specs, caps = self.fleet(live)
+        assignment = {m.node_id: m.stage for m in live}
+        rates = placement.stage_rates(assignment, caps, specs)
+        best = placement.plan(caps.values(), specs, self.policy) if live else {}
+        nodes = []
+        for m in sorted(live, key=lambda m: m.node_id):
+            node = caps[m.node_id]
+            measured = node.compute_rates[m.stage]
+            compute = measured if measured > 0 else node.speed / specs[m.stage].cost
+            nodes.append(
+                NodeRateView(
+                    node_id=m.node_id,
+                    stage=m.stage,
+                    compute=compute,
+                    effective=placement.effective_rate(node, specs, m.stage),
+                    limited_by=fleet_model.limited_by(node, specs[m.stage], compute),
+                )
+            )
+        return ThroughputView(
+            bound=min(rates) if live else 0.0,
+            best_bound=placement.throughput_bound(best, caps, specs) if live else 0.0,
+            stage_rates=rates,
+            nodes=nodes,
+        )
 
     def rates_changed(self) -> bool:
         """Whether a live node's effective rate moved by the policy's `rate_change` since the

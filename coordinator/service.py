@@ -27,7 +27,7 @@ import grpc
 
 from swarmpipe.config import RunConfig, codec_enum, codec_name
 from swarmpipe.control.bus import BrokerAddress, BrokerAuthError, Topics, make_client
-from swarmpipe.coordinator.membership import Member, Membership, MoveOrder
+from swarmpipe.coordinator.membership import Member, Membership, MoveOrder, ThroughputView
 from swarmpipe.coordinator.placement import PlacementPolicy
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.errors import PeerError, SwarmpipeError
@@ -54,6 +54,9 @@ MAX_NODE_ID_LEN = 128
 PLAN_REFRESH_S = 5.0
 # A large change in a node's rate is looked for at most this often.
 RATE_CHECK_S = 2.0
+# Status shows the throughput model as of at most this long ago: the best plan it shows
+# beside the bound is a search (the testnet polls Status four times a second).
+THROUGHPUT_VIEW_S = 2.0
 
 
 def placement_policy(config: RunConfig) -> PlacementPolicy:
@@ -92,6 +95,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             policy=placement_policy(config),
         )
         self._rates_checked_at = 0.0
+        self._throughput: tuple[float, ThroughputView] | None = None
         self.protocol = StepProtocol(
             total_steps=config.train.steps,
             global_batch=config.train.global_batch,
@@ -660,6 +664,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             departures=self.departures,
             moves=self.move_records,
             state_dir=str(self.state_dir.resolve()),
+        )
+        now = time.monotonic()
+        if self._throughput is None or now - self._throughput[0] > THROUGHPUT_VIEW_S:
+            self._throughput = (now, self.membership.throughput())
+        view = self._throughput[1]
+        reply.placement.CopyFrom(
+            coordinator_pb2.PlacementRecord(
+                bound=view.bound,
+                best_bound=view.best_bound,
+                stage_rates=view.stage_rates,
+                nodes=[
+                    coordinator_pb2.NodeRate(
+                        node_id=n.node_id,
+                        stage=n.stage,
+                        compute=n.compute,
+                        effective=n.effective,
+                        limited_by=n.limited_by,
+                    )
+                    for n in view.nodes
+                ],
+            )
         )
         for stage, path in sorted(self.final_states.items()):
             reply.final_states.append(

@@ -215,3 +215,22 @@ def test_a_lost_last_replica_is_refilled_from_a_stage_that_keeps_one() -> None:
     assert order is not None and order.to_stage == 1 and order.from_stage == 0
     assert order.reason.startswith("empty stage")
     assert m.heal() is None
+
+
+def test_the_replicas_reduce_counts_as_link_load_both_ways() -> None:
+    m = make(3)
+    for name, stage in (("a", 0), ("b", 1), ("c", 1), ("d", 2)):
+        serve(m, name, stage)
+    report(m, dict.fromkeys("abcd", 10.0), dict.fromkeys("abcd", 1e6))
+    for name, peer in (("b", "c"), ("c", "b")):
+        t = m.members[name].telemetry
+        assert t is not None
+        t.link_estimates.append(
+            control_pb2.LinkEstimate(
+                peer=peer, direction="reduce", bytes_per_second=1e6, wire_bytes=SAMPLES * 500
+            )
+        )
+    specs, _ = m.fleet(m.live())
+    assert specs[1].bytes_out_per_sample == 2 * CUT_BYTES + 500
+    assert specs[1].bytes_in_per_sample == 2 * CUT_BYTES + 500
+    assert specs[0].bytes_out_per_sample == CUT_BYTES
