@@ -17,18 +17,22 @@ from swarmpipe.transport.limits import MBIT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# The tiny model sends 4 KB of activations (and of gradients) per sample: at 1 Mbit/s a
-# first or last stage's replica carries about 30 samples/s and a middle one half that, well
-# under what it computes, so the links decide where nodes belong.
-MBIT_PER_LINK = 1.0
+# A long, narrow model: 8 KB of activations (and of gradients) per sample across each cut,
+# and stages of a few thousand parameters, so the replicas' reduce is small beside the
+# activations. At 2 Mbit/s a first or last stage's replica carries about 30 samples/s and a
+# middle one half that, under what it computes: the links decide where nodes belong, and
+# with 8 nodes the swarm settles on 2, 4 and 2 replicas.
+MBIT_PER_LINK = 2.0
 NODES = 8
+MODEL = ("model.context=128", "model.d_model=16", "model.n_heads=2")
 
 
 def test_a_node_whose_link_falls_is_compensated_by_a_bandwidth_move(procs, tiny) -> None:  # type: ignore[no-untyped-def]
     target = procs.coordinator(
         *tiny,
+        *MODEL,
         "pipeline.stages=3",
-        "train.steps=40",
+        "train.steps=30",
         "train.global_batch=64",
         f"pipeline.link_mbit={MBIT_PER_LINK}",
         f"coordinator.min_nodes={NODES}",
