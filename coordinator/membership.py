@@ -35,6 +35,9 @@ WEIGHT_DRIFT = 0.25
 # A stage whose replicas give less than this share of what they compute is held back by
 # its links: a move to it is reported as a "bandwidth" move.
 LINK_BOUND = 0.9
+# Status shows the best plan's bound beside the current one for fleets up to this size; a
+# plan of thousands of nodes takes seconds, too long for every Status call.
+BEST_PLAN_FLEET = 256
 
 
 @dataclass(slots=True)
@@ -224,7 +227,9 @@ class Membership:
         specs, caps = self.fleet(live)
         assignment = {m.node_id: m.stage for m in live}
         rates = placement.stage_rates(assignment, caps, specs)
-        best = placement.plan(caps.values(), specs, self.policy) if live else {}
+        # The best plan is a search: past BEST_PLAN_FLEET nodes Status shows 0 for it.
+        small = 0 < len(live) <= BEST_PLAN_FLEET
+        best = placement.plan(caps.values(), specs, self.policy) if small else {}
         nodes = []
         for m in sorted(live, key=lambda m: m.node_id):
             node = caps[m.node_id]
@@ -241,7 +246,7 @@ class Membership:
             )
         return ThroughputView(
             bound=min(rates) if live else 0.0,
-            best_bound=placement.throughput_bound(best, caps, specs) if live else 0.0,
+            best_bound=placement.throughput_bound(best, caps, specs) if small else 0.0,
             stage_rates=rates,
             nodes=nodes,
         )

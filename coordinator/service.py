@@ -796,7 +796,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 await self._on_presence(node_id, presence)
             elif what == "telemetry" and member is not None:
                 member.telemetry = control_pb2.Telemetry.FromString(bytes(payload))
-                await self._check_rates()
                 now = time.monotonic()
                 if (
                     now - self._plan_published_at > PLAN_REFRESH_S
@@ -805,6 +804,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     await self._publish_plan()
         except Exception as exc:  # a hostile or broken payload must not stop the watch
             logger.warning("ignoring malformed %s message from %s: %s", what, node_id, exc)
+            return
+        if what == "telemetry" and member is not None:
+            await self._check_rates()
 
     async def _on_presence(self, node_id: str, presence: control_pb2.Presence) -> None:
         member = self.membership.members.get(node_id)

@@ -688,7 +688,7 @@ class PlacementRecord(_message.Message):
     bound: _builtins.float
     """samples/s the pipeline can train at most: its slowest stage"""
     best_bound: _builtins.float
-    """the same model's best plan for these nodes"""
+    """the same model's best plan for these nodes (0: over 256)"""
     @_builtins.property
     def stage_rates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """each stage's rate: its replicas' effective rates summed"""

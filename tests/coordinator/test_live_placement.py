@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from swarmpipe.coordinator import fleet_model
 from swarmpipe.coordinator.membership import Membership
 from swarmpipe.coordinator.placement import PlacementPolicy
@@ -234,3 +236,19 @@ def test_the_replicas_reduce_counts_as_link_load_both_ways() -> None:
     assert specs[1].bytes_out_per_sample == 2 * CUT_BYTES + 500
     assert specs[1].bytes_in_per_sample == 2 * CUT_BYTES + 500
     assert specs[0].bytes_out_per_sample == CUT_BYTES
+
+
+def test_the_throughput_view_shows_the_bound_the_best_plan_and_what_limits_each_node() -> None:
+    m = make(3)
+    layout = {"a": 0, "b": 0, "g": 0, "c": 1, "x": 1, "e": 2, "f": 2}
+    for name, stage in layout.items():
+        serve(m, name, stage)
+    uplinks = dict.fromkeys(layout, 1e6)
+    uplinks["x"] = 1e4
+    report(m, dict.fromkeys(layout, 10.0), uplinks)
+    view = m.throughput()
+    assert view.stage_rates == pytest.approx([30.0, 15.0, 20.0], rel=1e-3)
+    assert view.bound == pytest.approx(15.0, rel=1e-3)
+    assert view.best_bound == pytest.approx(20.0, rel=1e-3)  # g on stage 1: 20, 25, 20
+    limited = {n.node_id: n.limited_by for n in view.nodes}
+    assert limited["x"] == "bandwidth" and limited["c"] == "compute"
