@@ -374,27 +374,30 @@ class Membership:
         return order
 
     def weights(self, stage: int) -> dict[str, float]:
-        """Routing weight of each live replica of `stage`: its measured compute rate.
+        """Routing weight of each live replica of `stage`: its effective rate in the
+        throughput model (fleet_model.py), the lesser of its compute rate and what its
+        links carry.
 
-        The rate is samples per busy second of the node's compute thread, which
-        says what it *could* do; the rate it does do follows the traffic it is
-        sent, and weighting by that would starve whichever replica got less at
-        first. A replica with no measurement yet gets the mean of the others, or
-        1.0 when none is measured.
+        The compute rate is samples per busy second of the node's compute thread, which
+        says what it *could* do; the rate it does do follows the traffic it is sent, and
+        weighting by that would starve whichever replica got less at first. Its links cap
+        it: a replica whose uplink fell would otherwise be sent its compute rate's share and
+        hold every step up until its microbatches crawl through. A replica with no
+        measurement yet counts as the fleet's mean node (1.0 when none is measured).
         """
-        replicas = sorted((m for m in self.live() if m.stage == stage), key=lambda m: m.node_id)
-        measured = {
-            m.node_id: m.telemetry.compute_samples_per_second
-            for m in replicas
-            if m.telemetry is not None and m.telemetry.compute_samples_per_second > 0
-        }
-        default = sum(measured.values()) / len(measured) if measured else 1.0
-        return {m.node_id: measured.get(m.node_id, default) for m in replicas}
+        return self._all_weights()[stage]
+
+    def _all_weights(self) -> list[dict[str, float]]:
+        """`weights` of every stage, from one reading of the fleet."""
+        by_stage: list[dict[str, float]] = [{} for _ in range(self.num_stages)]
+        for node_id, rate in sorted(self.effective_rates().items()):
+            by_stage[self.members[node_id].stage][node_id] = rate
+        return by_stage
 
     def weights_drifted(self) -> bool:
         """Whether any live replica's weight moved past WEIGHT_DRIFT since the last plan."""
-        for stage in range(self.num_stages):
-            for node_id, weight in self.weights(stage).items():
+        for weights in self._all_weights():
+            for node_id, weight in weights.items():
                 old = self.published_weights.get(node_id)
                 if old is None or abs(weight - old) > WEIGHT_DRIFT * old:
                     return True
@@ -404,10 +407,9 @@ class Membership:
         self.plan_version += 1
         stages = []
         self.published_weights = {}
-        for s in range(self.num_stages):
-            weights = self.weights(s)
+        by_id = {m.node_id: m for m in self.live()}
+        for s, weights in enumerate(self._all_weights()):
             self.published_weights.update(weights)
-            by_id = {m.node_id: m for m in self.live()}
             replicas = [
                 control_pb2.Replica(node_id=node_id, address=by_id[node_id].address, weight=weight)
                 for node_id, weight in weights.items()
