@@ -29,7 +29,11 @@ Top-level keys of the object (a value is null where the swarm has not measured i
 - `final_states`: each stage's stored final state (`stage`, `step`, `path`) once the run
   saved;
 - `moves`: every stage change the coordinator ordered (`node`, `from_stage`, `to_stage`,
-  `step`, `reason`), oldest first.
+  `step`, `reason`), oldest first;
+- `model`: what the coordinator's throughput model (the one placement runs) makes of the
+  serving nodes: `bound` (samples/s at most, its slowest stage), `best_bound` (the best plan
+  for the same nodes; null for fleets over 256), `stage_rates`, and per node `compute`,
+  `effective` (capped by its links) and `limited_by` (`compute` or `bandwidth`).
 
 Status names no stage count, so `stages` runs from 0 to the highest stage a node has been
 given; a stage above every node's (early in a run) is not shown.
@@ -204,6 +208,19 @@ def status_view(status: coordinator_pb2.StatusReply) -> dict[str, Any]:
             }
             for m in status.moves
         ],
+        "model": {
+            "bound": _number(status.placement.bound) if status.placement.stage_rates else None,
+            "best_bound": _number(status.placement.best_bound) or None,
+            "stage_rates": [_number(r) for r in status.placement.stage_rates],
+            "nodes": {
+                n.node_id: {
+                    "compute": _number(n.compute),
+                    "effective": _number(n.effective),
+                    "limited_by": n.limited_by,
+                }
+                for n in status.placement.nodes
+            },
+        },
     }
 
 
@@ -259,7 +276,8 @@ def status_table(view: dict[str, Any]) -> list[str]:
         f"run {view['run_id']!r}: {view['phase']}, step {view['step']} of {view['total_steps']}",
         f"  loss: {training}, {held_out}",
         f"  throughput: {_fmt(view['samples_per_second'])} samples/s "
-        f"over the last {RECENT_STEPS} steps",
+        f"over the last {RECENT_STEPS} steps; the model's bound {_fmt(view['model']['bound'])} "
+        f"(best plan {_fmt(view['model']['best_bound'])})",
         f"  samples: leased {s['leased']}, committed {s['committed']}, replayed "
         f"{s['replayed']}, duplicates {s['duplicates']}, lost {s['lost']}, "
         f"outstanding {s['outstanding']}",
