@@ -20,11 +20,14 @@ Ready, like a joiner. Every move is recorded with its reason.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from swarmpipe.coordinator import fleet_model, placement
 from swarmpipe.protos import control_pb2
+
+logger = logging.getLogger(__name__)
 
 # A node that joined but has not announced itself on MQTT yet still holds its
 # stage for this long, so two nodes joining together do not take the same one.
@@ -283,20 +286,29 @@ class Membership:
         if not moves:
             return []
         before = placement.throughput_bound(assignment, caps, specs)
-        after_assignment = dict(assignment)
-        for mv in moves:
-            after_assignment[mv.node_id] = mv.to_stage
-        after = placement.throughput_bound(after_assignment, caps, specs)
         # A mover stops serving its old stage at once, and a node moving in serves only
         # once it holds the state: a batch that takes every serving replica off a stage
-        # would leave it unserved meanwhile, so such a batch is not made at all (a part of
-        # it would not give the bound it was planned for).
+        # would leave it unserved meanwhile. Such moves are left out, and the rest made only
+        # if they still lift the bound by the policy's min_gain.
+        serving = placement.replica_counts(assignment, self.num_stages)
         leaving = placement.replica_counts(
             {mv.node_id: mv.from_stage for mv in moves}, self.num_stages
         )
-        serving = placement.replica_counts(assignment, self.num_stages)
-        if any(serving[s] and leaving[s] >= serving[s] for s in range(self.num_stages)):
-            return []
+        kept = [mv for mv in moves if leaving[mv.from_stage] < serving[mv.from_stage]]
+        after_assignment = dict(assignment)
+        for mv in kept:
+            after_assignment[mv.node_id] = mv.to_stage
+        after = placement.throughput_bound(after_assignment, caps, specs)
+        if len(kept) < len(moves):
+            throughput = [mv for mv in kept if mv.reason == "throughput"]
+            if throughput and after < (1 + self.policy.min_gain) * before:
+                kept = [mv for mv in kept if mv.reason != "throughput"]
+            logger.info(
+                "%d of %d planned moves left out: they would leave a stage unserved while "
+                "the nodes moving in fetch its state",
+                len(moves) - len(kept),
+                len(moves),
+            )
         return [
             self.move(
                 self.members[mv.node_id],
@@ -304,7 +316,7 @@ class Membership:
                 self._reason(mv, caps, specs, before, after),
                 now=now,
             )
-            for mv in moves
+            for mv in kept
         ]
 
     def _held_by(
