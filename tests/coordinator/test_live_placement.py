@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from swarmpipe.coordinator import fleet_model
+from swarmpipe.coordinator import fleet_model, placement
 from swarmpipe.coordinator.membership import Membership
 from swarmpipe.coordinator.placement import PlacementPolicy
 from swarmpipe.protos import control_pb2
@@ -252,3 +252,29 @@ def test_the_throughput_view_shows_the_bound_the_best_plan_and_what_limits_each_
     assert view.best_bound == pytest.approx(20.0, rel=1e-3)  # g on stage 1: 20, 25, 20
     limited = {n.node_id: n.limited_by for n in view.nodes}
     assert limited["x"] == "bandwidth" and limited["c"] == "compute"
+
+
+def test_moves_that_would_leave_a_stage_unserved_are_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The guard in Membership, whatever batch the policy plans: a batch taking both serving
+    replicas off stage 0 keeps one of them there (movers stop serving at once; arrivals
+    serve only once Ready)."""
+    m = make(3)
+    layout = {"a": 0, "b": 0, "c": 1, "d": 1, "e": 1, "f": 2, "g": 2}
+    for name, stage in layout.items():
+        serve(m, name, stage)
+    report(m, dict.fromkeys(layout, 10.0), dict.fromkeys(layout, 1e6))
+
+    def planned(*args: object, **kwargs: object) -> list[placement.Move]:
+        return [
+            placement.Move(
+                node_id=n, from_stage=f, to_stage=t, reason="second-replica", download_s=1.0
+            )
+            for n, f, t in (("a", 0, 1), ("b", 0, 2), ("c", 1, 0))
+        ]
+
+    monkeypatch.setattr(placement, "rebalance", planned)
+    orders = m.rebalance(time.monotonic())
+    assert [o.node_id for o in orders] == ["c"]
+    assert [x.node_id for x in m.replicas(0)] == ["a", "b"]
