@@ -278,3 +278,31 @@ def test_moves_that_would_leave_a_stage_unserved_are_left_out(
     orders = m.rebalance(time.monotonic())
     assert [o.node_id for o in orders] == ["c"]
     assert [x.node_id for x in m.replicas(0)] == ["a", "b"]
+
+
+def test_a_rebalance_leaves_every_stage_one_of_the_replicas_it_had() -> None:
+    """Over seeded random fleets and layouts: whatever chain of moves the policy plans, no
+    stage sees all its present replicas leave (they stop serving at once, and arrivals serve
+    only once they hold the state)."""
+    rng = random.Random(7)
+    policy = PlacementPolicy(cooldown_s=0.0)
+    for _ in range(200):
+        n_stages = rng.randint(2, 4)
+        stages = placement.stages_from_cuts(
+            [1.0] * n_stages, [1000.0] * (n_stages - 1), [1000.0] * (n_stages - 1),
+            [1e6] * n_stages,
+        )  # fmt: skip
+        nodes = {
+            f"n{i}": placement.NodeCaps(
+                node_id=f"n{i}",
+                speed=rng.choice((2.0, 5.0, 10.0, 30.0)),
+                bandwidth_in=1e9,
+                bandwidth_out=rng.choice((2e3, 1e4, 1e6)),
+            )
+            for i in range(rng.randint(n_stages, 10))
+        }
+        assignment = {k: rng.randrange(n_stages) for k in nodes}
+        moves = placement.rebalance(assignment, nodes, stages, policy, now=0.0, last_moved={})
+        had = placement.replica_counts(assignment, n_stages)
+        leaving = placement.replica_counts({m.node_id: m.from_stage for m in moves}, n_stages)
+        assert all(leaving[s] < had[s] for s in range(n_stages) if had[s]), (assignment, moves)
