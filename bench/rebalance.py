@@ -120,11 +120,18 @@ class _Watch:
         self.stub = stub
         self.views: list[tuple[float, coordinator_pb2.PlacementRecord]] = []
         self.status = coordinator_pb2.StatusReply()
+        self.gone = False
 
     def poll(self) -> coordinator_pb2.StatusReply:
-        status: coordinator_pb2.StatusReply = self.stub.Status(
-            coordinator_pb2.StatusRequest(), timeout=10
-        )
+        """The latest Status; the last one seen when the coordinator is gone (the testnet
+        stops it once the run is done: `_alive_or_fail` says whether that was a failure)."""
+        try:
+            status: coordinator_pb2.StatusReply = self.stub.Status(
+                coordinator_pb2.StatusRequest(), timeout=10
+            )
+        except grpc.RpcError:
+            self.gone = True
+            return self.status
         self.status = status
         # On the steps' clock: seconds since step 0 opened, as of the last finished step.
         now = status.steps[-1].elapsed_s if status.steps else 0.0
@@ -181,8 +188,8 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
     return figures
 
 
-def _alive_or_fail(proc: subprocess.Popen[str], deadline: float) -> None:
-    if proc.poll() is not None:
+def _alive_or_fail(proc: subprocess.Popen[str], deadline: float, *, done: bool = False) -> None:
+    if proc.poll() is not None and not (done and proc.returncode == 0):
         stderr = proc.stderr.read() if proc.stderr else ""
         raise SystemExit(f"the testnet ended early (exit {proc.returncode}):\n{stderr[-3000:]}")
     if time.monotonic() > deadline:
@@ -198,6 +205,8 @@ def _drop_and_watch(
 ) -> dict[str, Any]:
     while len(watch.poll().steps) < args.drop_at_step:
         _alive_or_fail(proc, deadline)
+        if watch.gone:
+            raise SystemExit("the coordinator went away before the drop")
         time.sleep(POLL_S)
     status = watch.status
     victim = choose_victim(status, args.stages)
@@ -210,10 +219,10 @@ def _drop_and_watch(
     # Wait for the rebalance: moves ordered after the drop, and every mover serving again.
     t_moved = t_served = None
     while t_served is None:
-        _alive_or_fail(proc, deadline)
+        _alive_or_fail(proc, deadline, done=watch.gone)
         time.sleep(POLL_S)
         status = watch.poll()
-        if status.done:
+        if status.done or watch.gone:
             break
         new = list(status.moves)[moves_before:]
         if new and t_moved is None:
@@ -222,9 +231,12 @@ def _drop_and_watch(
         serving = {n.node_id for n in status.nodes if n.serving}
         if new and movers <= serving and status.steps:
             t_served = status.steps[-1].elapsed_s
-    while not watch.poll().done:  # the steps after the rebalance, to the run's end
-        _alive_or_fail(proc, deadline)
+    while not watch.poll().done and not watch.gone:  # the steps to the run's end
+        _alive_or_fail(proc, deadline, done=watch.gone)
         time.sleep(POLL_S)
+    if not watch.status.done:
+        _alive_or_fail(proc, deadline)
+        raise SystemExit("the coordinator went away before the run was done")
     steps = list(watch.status.steps)
     end = steps[-1].elapsed_s if steps else 0.0
     warmup = steps[min(2, len(steps) - 1)].elapsed_s if steps else 0.0
