@@ -158,6 +158,8 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
         sys.executable, "-m", "swarmpipe", "--log-level", "WARNING", "testnet", "--quiet",
         "--nodes", str(args.nodes), "--stages", str(args.stages), "--steps", str(args.steps),
         "--link-mbit", f"{args.mbit:g}", "--threads", str(args.threads), "--out", str(out),
+        # A step that waits on a fallen link takes long on a loaded host: not a stall.
+        "--stall-timeout", "600",
     ]  # fmt: skip
     for item in overrides:
         cmd += ["--set", item]
