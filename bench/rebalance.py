@@ -231,8 +231,9 @@ def _drop_and_watch(
             t_moved = new[0].elapsed_s
         movers = {m.node_id for m in new}
         serving = {n.node_id for n in status.nodes if n.serving}
-        if new and movers <= serving and status.steps:
-            t_served = status.steps[-1].elapsed_s
+        if new and movers <= serving and status.steps and t_moved is not None:
+            # The steps' clock moves only when a step finishes: no earlier than the move.
+            t_served = max(status.steps[-1].elapsed_s, t_moved)
     while not watch.poll().done and not watch.gone:  # the steps to the run's end
         _alive_or_fail(proc, deadline, done=watch.gone)
         time.sleep(POLL_S)
