@@ -456,6 +456,18 @@ class CoordinatorConfig:
     """How long nodes keep training without their coordinator (retrying its calls and its
     broker) before they give up and exit 1, and how long a coordinator started again on its
     state database waits for the nodes it remembers to reconnect before they count as gone."""
+    rebalance_every_s: float = 30.0
+    """Seconds between rebalancing rounds (coordinator/placement.py `rebalance`); a node's
+    rate moving by a quarter calls one sooner. 0: never rebalance for throughput (a stage
+    that loses its last replica is still refilled at once)."""
+    move_cooldown_s: float = 900.0
+    """A node that joined or moved this recently is not moved for throughput or safety."""
+    move_min_gain: float = 0.10
+    """A batch of throughput moves must raise the throughput bound by this fraction."""
+    move_horizon_s: float = 3600.0
+    """How far ahead a move's gain is weighed against its cost (the state download)."""
+    move_overhead_s: float = 30.0
+    """Seconds a move costs besides the download (restart, build, connect, enter the plan)."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 0:
@@ -466,6 +478,18 @@ class CoordinatorConfig:
             raise ConfigError("coordinator.lease_timeout_s must be positive")
         if self.restart_grace_s <= 0:
             raise ConfigError("coordinator.restart_grace_s must be positive")
+        placement_knobs = (
+            self.rebalance_every_s,
+            self.move_cooldown_s,
+            self.move_min_gain,
+            self.move_horizon_s,
+            self.move_overhead_s,
+        )
+        if not all(v >= 0 for v in placement_knobs):  # NaN fails too
+            raise ConfigError(
+                "coordinator.rebalance_every_s, move_cooldown_s, move_min_gain, "
+                "move_horizon_s and move_overhead_s must be >= 0"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

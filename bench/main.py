@@ -31,6 +31,8 @@ BENCHMARKS: dict[str, str] = {
     "equal layer counts, and the model's predicted shares beside the measured",
     "device-codec": "a codec's encode and decode GB/s on a device beside a device-to-host "
     "copy of the same tensor",
+    "rebalance": "samples/s before and after one node's link falls to a tenth, and after the "
+    "coordinator rebalances, beside the throughput model's bound",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
 }

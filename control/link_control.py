@@ -60,6 +60,22 @@ def describe(bytes_per_second: float | None) -> str:
     return f"{bytes_per_second / MBIT:g} Mbit/s" if bytes_per_second else "no limit"
 
 
+MAX_SLOWDOWN = 1000.0
+"""The most a compute slowdown may be (`compute_slowdown`: 1 to this)."""
+
+
+def check_slowdown(factor: float, *, what: str = "") -> float:
+    """`factor` when it is a slowdown a node accepts (1 to MAX_SLOWDOWN); a ConfigError
+    saying so otherwise. `what` names the setting in the message."""
+    if not 1.0 <= factor <= MAX_SLOWDOWN:  # NaN fails too
+        what = what or f"a compute slowdown of {factor:g}"
+        raise ConfigError(
+            f"{what} is out of range: give 1 to {MAX_SLOWDOWN:g} (how many times slower than "
+            "the machine computes)"
+        )
+    return factor
+
+
 @dataclass(frozen=True, slots=True)
 class LinkSetting:
     """What one control message sets; a field left None falls through to all's or the start."""
@@ -68,18 +84,27 @@ class LinkSetting:
     """Send limit in bytes per second (0: no limit)."""
     latency_ms: float | None = None
     """One-way delay in ms (0: none)."""
+    slowdown: float | None = None
+    """Compute slowdown, the testnet's `profile NODE=slow:F` churn (1: the machine's speed)."""
 
 
-def encode(bytes_per_second: float | None, *, latency_ms: float | None = None) -> bytes:
-    """The payload that sets `bytes_per_second` (0: no limit) and/or `latency_ms`, or
-    withdraws the topic's setting (both None)."""
-    if bytes_per_second is None and latency_ms is None:
+def encode(
+    bytes_per_second: float | None,
+    *,
+    latency_ms: float | None = None,
+    slowdown: float | None = None,
+) -> bytes:
+    """The payload that sets `bytes_per_second` (0: no limit), `latency_ms` and/or the
+    compute `slowdown`, or withdraws the topic's setting (all None)."""
+    if bytes_per_second is None and latency_ms is None and slowdown is None:
         return b""  # also what clears a retained message
     message = control_pb2.LinkControl()
     if bytes_per_second is not None:
         message.limit_bytes_per_second = check_limit(bytes_per_second)
     if latency_ms is not None:
         message.latency_ms = check_latency_ms(latency_ms)
+    if slowdown is not None:
+        message.compute_slowdown = check_slowdown(slowdown)
     return message.SerializeToString()
 
 
@@ -92,12 +117,14 @@ def decode(payload: bytes) -> LinkSetting | None:
         raise PeerError(f"not a LinkControl message ({len(payload)} bytes): {exc}") from exc
     has_limit = message.HasField("limit_bytes_per_second")
     has_latency = message.HasField("latency_ms")
-    if not (has_limit or has_latency):
+    has_slowdown = message.HasField("compute_slowdown")
+    if not (has_limit or has_latency or has_slowdown):
         return None
     try:
         return LinkSetting(
             limit=check_limit(message.limit_bytes_per_second) if has_limit else None,
             latency_ms=check_latency_ms(message.latency_ms) if has_latency else None,
+            slowdown=check_slowdown(message.compute_slowdown) if has_slowdown else None,
         )
     except ConfigError as exc:
         raise PeerError(str(exc)) from exc
@@ -134,14 +161,27 @@ class LinkSettings:
                 return setting.latency_ms
         return self.start_latency_ms
 
+    @property
+    def slowdown(self) -> float | None:
+        """The compute slowdown the messages set (own over all); None: the node's own."""
+        for setting in (self._own, self._all):
+            if setting is not None and setting.slowdown is not None:
+                return setting.slowdown
+        return None
+
     def on_message(self, target: str, payload: bytes) -> bool:
         """Take one message of `control/<target>`; whether it is for this node.
 
-        A PeerError, and no change, for a malformed message.
+        A PeerError, and no change, for a malformed message. A message that names no
+        slowdown keeps the one its topic set before (a `link` event after a `profile`
+        event changes the limit, not the node's speed); an empty one withdraws it all.
         """
         if target not in (self.node_id, ALL):
             return False
         setting = decode(payload)
+        previous = self._all if target == ALL else self._own
+        if setting is not None and setting.slowdown is None and previous is not None:
+            setting = dataclasses.replace(setting, slowdown=previous.slowdown)
         if target == ALL:
             self._all = setting
         else:
@@ -164,13 +204,14 @@ async def publish(
     bytes_per_second: float | None,
     *,
     latency_ms: float | None = None,
+    slowdown: float | None = None,
 ) -> str:
     """Publish a retained LinkControl for `node` (or `all`); returns the topic.
 
     A SwarmpipeError when the broker cannot be reached or does not acknowledge in time.
     """
     topic = Topics(run_id).control(check_node(node))
-    payload = encode(bytes_per_second, latency_ms=latency_ms)
+    payload = encode(bytes_per_second, latency_ms=latency_ms, slowdown=slowdown)
     try:
         async with make_client(broker, f"swarmpipe-link-limit-{os.getpid()}") as client:
             await client.publish(topic, payload, qos=1, retain=True, timeout=PUBLISH_TIMEOUT_S)

@@ -33,6 +33,10 @@ Top-level keys of the object (a value is null where the swarm has not measured i
 - `benched`: every node taken out for poisoned tensors (`node`, `stage`, `step`,
   `reporters`, `reason`, `seconds_left` until it may join again), and `reports`, the
   reports of poisoned tensors the coordinator accepted.
+- `model`: what the coordinator's throughput model (the one placement runs) makes of the
+  serving nodes: `bound` (samples/s at most, its slowest stage), `best_bound` (the best plan
+  for the same nodes; null for fleets over 256), `stage_rates`, and per node `compute`,
+  `effective` (capped by its links) and `limited_by` (`compute` or `bandwidth`).
 
 Status names no stage count, so `stages` runs from 0 to the highest stage a node has been
 given; a stage above every node's (early in a run) is not shown.
@@ -219,6 +223,19 @@ def status_view(status: coordinator_pb2.StatusReply) -> dict[str, Any]:
             }
             for b in status.benched
         ],
+        "model": {
+            "bound": _number(status.placement.bound) if status.placement.stage_rates else None,
+            "best_bound": _number(status.placement.best_bound) or None,
+            "stage_rates": [_number(r) for r in status.placement.stage_rates],
+            "nodes": {
+                n.node_id: {
+                    "compute": _number(n.compute),
+                    "effective": _number(n.effective),
+                    "limited_by": n.limited_by,
+                }
+                for n in status.placement.nodes
+            },
+        },
     }
 
 
@@ -274,7 +291,8 @@ def status_table(view: dict[str, Any]) -> list[str]:
         f"run {view['run_id']!r}: {view['phase']}, step {view['step']} of {view['total_steps']}",
         f"  loss: {training}, {held_out}",
         f"  throughput: {_fmt(view['samples_per_second'])} samples/s "
-        f"over the last {RECENT_STEPS} steps",
+        f"over the last {RECENT_STEPS} steps; the model's bound {_fmt(view['model']['bound'])} "
+        f"(best plan {_fmt(view['model']['best_bound'])})",
         f"  samples: leased {s['leased']}, committed {s['committed']}, replayed "
         f"{s['replayed']}, duplicates {s['duplicates']}, lost {s['lost']}, "
         f"outstanding {s['outstanding']}",

@@ -238,6 +238,7 @@ async def _serve(
     watch = asyncio.create_task(service.watch_mqtt())
     revocations = asyncio.create_task(service.watch_tokens())
     grace = asyncio.create_task(service.wait_for_members())
+    rebalancing = asyncio.create_task(service.rebalance_loop())
     try:
         await server.start()
         logger.info(
@@ -281,6 +282,7 @@ async def _serve(
     finally:
         revocations.cancel()
         grace.cancel()
+        rebalancing.cancel()
         watch.cancel()
         # Its exception, if any, was raised above; the server must stop all the same.
         await asyncio.gather(watch, return_exceptions=True)

@@ -1,18 +1,33 @@
 """Who is in the swarm, which stage each node serves, and the plan built from that.
 
-Healing: when a stage loses its last live replica and no node is on its way to it, `heal`
-moves a replica from the stage with the most live replicas (the one with the lowest
-measured rate, so the donor stage loses least). The mover leaves the plan at once (its
-old stage keeps at least one replica), fetches the new stage's state (from its latest
-checkpoint, as no replica is left) and serves it once Ready, like a joiner.
+Placement runs the policy of coordinator/placement.py on the live fleet, as
+coordinator/fleet_model.py reads it from the nodes' telemetry:
+
+- `assign`: a joiner goes where it raises the sorted stage rates most, a stage with one
+  replica first while that costs the bound little (`placement.place_joiner`).
+- `heal`: when a stage loses its last live replica and no node is on its way to it, the
+  node that costs the rest least moves there, never a stage's last replica
+  (`placement.refill`).
+- `rebalance`: the periodic round (and one on a large rate change): second replicas, then
+  throughput moves that pay for their state download, with hysteresis
+  (`placement.rebalance`). It waits while any node is still fetching a stage's state, so
+  one batch of moves settles before the next is planned.
+
+A mover leaves its old stage's plan at once (that stage keeps a live replica), fetches the
+new stage's state (from a live replica, else its latest checkpoint) and serves it once
+Ready, like a joiner. Every move is recorded with its reason.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
+from swarmpipe.coordinator import fleet_model, placement
 from swarmpipe.protos import control_pb2
+
+logger = logging.getLogger(__name__)
 
 # A node that joined but has not announced itself on MQTT yet still holds its
 # stage for this long, so two nodes joining together do not take the same one.
@@ -20,6 +35,12 @@ JOIN_GRACE_S = 30.0
 # A replica's routing weight is republished when its measured rate moves this
 # far (relative) from the weight in the last plan; smaller moves are noise.
 WEIGHT_DRIFT = 0.25
+# A stage whose replicas give less than this share of what they compute is held back by
+# its links: a move to it is reported as a "bandwidth" move.
+LINK_BOUND = 0.9
+# Status shows the best plan's bound beside the current one for fleets up to this size; a
+# plan of thousands of nodes takes seconds, too long for every Status call.
+BEST_PLAN_FLEET = 256
 
 
 @dataclass(slots=True)
@@ -43,6 +64,8 @@ class Member:
     move_order: int = 0
     """The latest move the coordinator ordered for this node (0: none); listed in the plan
     until the node serves its new stage."""
+    moved_at: float = -1.0
+    """When it joined or was last moved (monotonic seconds): the policy's cool-down."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +75,25 @@ class MoveOrder:
     from_stage: int
     to_stage: int
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRateView:
+    node_id: str
+    stage: int
+    compute: float
+    effective: float
+    limited_by: str
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputView:
+    """`Membership.throughput`: what the model makes of the serving nodes, in samples/s."""
+
+    bound: float
+    best_bound: float
+    stage_rates: list[float]
+    nodes: list[NodeRateView]
 
 
 @dataclass(slots=True)
@@ -65,6 +107,9 @@ class Membership:
     plan_version: int = 0
     published_weights: dict[str, float] = field(default_factory=dict)
     moves: list[MoveOrder] = field(default_factory=list)
+    policy: placement.PlacementPolicy = field(default_factory=placement.PlacementPolicy)
+    rated: dict[str, float] = field(default_factory=dict)
+    """Each live node's effective rate at the last rebalance, to notice a large change."""
 
     def _holds_stage(self, m: Member, now: float) -> bool:
         if m.drained:
@@ -74,23 +119,47 @@ class Membership:
         return m.online or (not m.announced and now - m.joined_at < JOIN_GRACE_S)
 
     def assign(self, node_id: str, address: str) -> Member:
-        """Place a joining node on the stage with the fewest replicas (lowest index on ties)."""
+        """Place a joining node where it raises the throughput bound most
+        (`placement.place_joiner`; with nothing measured yet, that is the stage with the
+        fewest replicas, lowest index on ties)."""
         now = time.monotonic()
         previous = self.members.get(node_id)
-        counts = [0] * self.num_stages
-        for m in self.members.values():
-            if m.node_id != node_id and self._holds_stage(m, now):
-                counts[m.stage] += 1
-        stage = min(range(self.num_stages), key=lambda s: (counts[s], s))
-        if (
-            previous is not None
-            and not previous.drained
-            and counts[previous.stage] == counts[stage]
-        ):
-            stage = previous.stage  # a restarted node keeps its stage when that costs nothing
-        member = Member(node_id=node_id, address=address, stage=stage, joined_at=now)
+        holders = [
+            m for m in self.members.values() if m.node_id != node_id and self._holds_stage(m, now)
+        ]
+        fleet = [_observed(m) for m in holders]
+        specs = fleet_model.stage_specs(fleet, self.num_stages)
+        caps = fleet_model.node_caps([*fleet, fleet_model.Observed(node_id, -1, None)], specs)
+        joiner = caps.pop(node_id)
+        assignment = {m.node_id: m.stage for m in holders}
+        rates = placement.stage_rates(assignment, caps, specs)
+        stage = placement.place_joiner(
+            joiner,
+            specs,
+            self.policy,
+            rates=rates,
+            replicas=placement.replica_counts(assignment, self.num_stages),
+        )
+        if previous is not None and not previous.drained and previous.stage != stage:
+            # A restarted node keeps its stage when that costs nothing.
+            def with_joiner(s: int) -> list[float]:
+                trial = list(rates)
+                trial[s] += placement.effective_rate(joiner, specs, s)
+                return sorted(trial)
+
+            if with_joiner(previous.stage) >= with_joiner(stage):
+                stage = previous.stage
+        member = Member(node_id=node_id, address=address, stage=stage, joined_at=now, moved_at=now)
         self.members[node_id] = member
         return member
+
+    def fleet(
+        self, members: list[Member]
+    ) -> tuple[tuple[placement.StageSpec, ...], dict[str, placement.NodeCaps]]:
+        """The policy's view of these members: the stages' specs and each node's caps."""
+        observed = [_observed(m) for m in members]
+        specs = fleet_model.stage_specs(observed, self.num_stages)
+        return specs, fleet_model.node_caps(observed, specs)
 
     def live(self) -> list[Member]:
         """Serving nodes: online, not drained, and holding their stage's current state."""
@@ -122,31 +191,185 @@ class Membership:
         )
 
     def heal(self) -> MoveOrder | None:
-        """Move a replica to a stage that has none left and nobody coming, from the stage
-        with the most live replicas (at least two); None when no such move exists."""
+        """Move a replica to a stage that has none left and nobody coming: the node whose
+        leaving costs the rest least, from a stage that keeps a live replica
+        (`placement.refill`); None when no such move exists. Call again for another
+        empty stage."""
         now = time.monotonic()
         live = self.live()
-        by_stage: dict[int, list[Member]] = {s: [] for s in range(self.num_stages)}
-        for m in live:
-            by_stage[m.stage].append(m)
-        empty = [s for s, ms in by_stage.items() if not ms and not self._coming(s, now)]
-        donor = max(by_stage, key=lambda s: (len(by_stage[s]), -s))
-        if not empty or len(by_stage[donor]) < 2:
+        held = {m.stage for m in live}
+        empty = [s for s in range(self.num_stages) if s not in held and not self._coming(s, now)]
+        if not empty:
             return None
-
-        def rate(m: Member) -> float:
-            t = m.telemetry
-            return t.compute_samples_per_second if t is not None else 0.0
-
-        mover = min(by_stage[donor], key=lambda m: (rate(m), m.node_id))
-        target = empty[0]
+        specs, caps = self.fleet(live)
+        moves = placement.refill(
+            {m.node_id: m.stage for m in live}, caps, specs, self.policy, targets=empty[:1]
+        )
+        if not moves:
+            return None
+        mv = moves[0]
+        donors = sum(1 for m in live if m.stage == mv.from_stage)
         return self.move(
-            mover,
-            target,
-            f"stage {target} lost its last replica; stage {donor} had {len(by_stage[donor])}",
+            self.members[mv.node_id],
+            mv.to_stage,
+            f"empty stage: stage {mv.to_stage} lost its last replica; stage {mv.from_stage} "
+            f"had {donors}",
+            now=now,
         )
 
-    def move(self, member: Member, stage: int, reason: str) -> MoveOrder:
+    def effective_rates(self) -> dict[str, float]:
+        """Each live node's effective rate on its stage, as the policy sees it now."""
+        live = self.live()
+        specs, caps = self.fleet(live)
+        return {m.node_id: placement.effective_rate(caps[m.node_id], specs, m.stage) for m in live}
+
+    def throughput(self) -> ThroughputView:
+        """The throughput model of the serving nodes: the bound of where they are, the best
+        plan's bound for the same nodes, each stage's rate and each node's."""
+        live = self.live()
+        specs, caps = self.fleet(live)
+        assignment = {m.node_id: m.stage for m in live}
+        rates = placement.stage_rates(assignment, caps, specs)
+        # The best plan is a search: past BEST_PLAN_FLEET nodes Status shows 0 for it.
+        small = 0 < len(live) <= BEST_PLAN_FLEET
+        best = placement.plan(caps.values(), specs, self.policy) if small else {}
+        nodes = []
+        for m in sorted(live, key=lambda m: m.node_id):
+            node = caps[m.node_id]
+            measured = node.compute_rates[m.stage]
+            compute = measured if measured > 0 else node.speed / specs[m.stage].cost
+            nodes.append(
+                NodeRateView(
+                    node_id=m.node_id,
+                    stage=m.stage,
+                    compute=compute,
+                    effective=placement.effective_rate(node, specs, m.stage),
+                    limited_by=fleet_model.limited_by(node, specs[m.stage], compute),
+                )
+            )
+        return ThroughputView(
+            bound=min(rates) if live else 0.0,
+            best_bound=placement.throughput_bound(best, caps, specs) if small else 0.0,
+            stage_rates=rates,
+            nodes=nodes,
+        )
+
+    def rates_changed(self) -> bool:
+        """Whether a live node's effective rate moved by the policy's `rate_change` since the
+        last rebalance (nodes new since then are the join's business, not a change)."""
+        for node_id, rate in self.effective_rates().items():
+            old = self.rated.get(node_id)
+            if old is not None and placement.rate_changed(old, rate, self.policy):
+                return True
+        return False
+
+    def rebalance(self, now: float) -> list[MoveOrder]:
+        """One rebalancing round (`placement.rebalance`): the moves it ordered, each with
+        its reason ("empty stage", "second replica", "bandwidth" or "compute"). None while
+        a node is still fetching a stage's state: the last batch must settle first."""
+        if any(not m.serving and self._holds_stage(m, now) for m in self.members.values()):
+            return []
+        live = self.live()
+        specs, caps = self.fleet(live)
+        self.rated = {
+            m.node_id: placement.effective_rate(caps[m.node_id], specs, m.stage) for m in live
+        }
+        assignment = {m.node_id: m.stage for m in live}
+        moves = placement.rebalance(
+            assignment,
+            caps,
+            specs,
+            self.policy,
+            now=now,
+            last_moved={m.node_id: m.moved_at for m in live},
+        )
+        if not moves:
+            return []
+        before = placement.throughput_bound(assignment, caps, specs)
+        # A mover stops serving its old stage at once, and a node moving in serves only
+        # once it holds the state: a batch that takes every serving replica off a stage
+        # would leave it unserved meanwhile. Such moves are left out, and the rest made only
+        # if they still lift the bound by the policy's min_gain.
+        serving = placement.replica_counts(assignment, self.num_stages)
+        leaving = placement.replica_counts(
+            {mv.node_id: mv.from_stage for mv in moves}, self.num_stages
+        )
+        kept = [mv for mv in moves if leaving[mv.from_stage] < serving[mv.from_stage]]
+        after_assignment = dict(assignment)
+        for mv in kept:
+            after_assignment[mv.node_id] = mv.to_stage
+        after = placement.throughput_bound(after_assignment, caps, specs)
+        if len(kept) < len(moves):
+            throughput = [mv for mv in kept if mv.reason == "throughput"]
+            if throughput and after < (1 + self.policy.min_gain) * before:
+                kept = [mv for mv in kept if mv.reason != "throughput"]
+            logger.info(
+                "%d of %d planned moves left out: they would leave a stage unserved while "
+                "the nodes moving in fetch its state",
+                len(moves) - len(kept),
+                len(moves),
+            )
+        return [
+            self.move(
+                self.members[mv.node_id],
+                mv.to_stage,
+                self._reason(mv, caps, specs, before, after),
+                now=now,
+            )
+            for mv in kept
+        ]
+
+    def _held_by(
+        self,
+        mv: placement.Move,
+        caps: dict[str, placement.NodeCaps],
+        specs: tuple[placement.StageSpec, ...],
+    ) -> str:
+        """Why a throughput move helps: "bandwidth" when the mover's links hold it back
+        where it is, or the stage it goes to gives much less than its replicas compute
+        (links hold that stage back); else "compute"."""
+
+        def compute(node: placement.NodeCaps, stage: int) -> float:
+            measured = node.compute_rates[stage] if stage < len(node.compute_rates) else 0.0
+            return measured if measured > 0 else node.speed / specs[stage].cost
+
+        mover = caps[mv.node_id]
+        if fleet_model.limited_by(mover, specs[mv.from_stage], compute(mover, mv.from_stage)) == (
+            "bandwidth"
+        ):
+            return "bandwidth"
+        there = [caps[m.node_id] for m in self.replicas(mv.to_stage)]
+        effective = sum(placement.effective_rate(n, specs, mv.to_stage) for n in there)
+        computed = sum(compute(n, mv.to_stage) for n in there)
+        return "bandwidth" if effective < LINK_BOUND * computed else "compute"
+
+    def _reason(
+        self,
+        mv: placement.Move,
+        caps: dict[str, placement.NodeCaps],
+        specs: tuple[placement.StageSpec, ...],
+        before: float,
+        after: float,
+    ) -> str:
+        node = caps[mv.node_id]
+        if mv.reason == "second-replica":
+            return (
+                f"second replica: stage {mv.to_stage} had one, so its node's death would "
+                "lose the steps since its last checkpoint"
+            )
+        if mv.reason == "empty-stage":
+            return f"empty stage: stage {mv.to_stage} had no replica"
+        here = placement.effective_rate(node, specs, mv.from_stage)
+        there = placement.effective_rate(node, specs, mv.to_stage)
+        kind = self._held_by(mv, caps, specs)
+        return (
+            f"{kind}: {mv.node_id} gives {here:.3g} samples/s on stage {mv.from_stage} and "
+            f"{there:.3g} on stage {mv.to_stage}; bound {before:.3g} -> {after:.3g} samples/s"
+        )
+
+    def move(
+        self, member: Member, stage: int, reason: str, *, now: float | None = None
+    ) -> MoveOrder:
         """Order `member` to serve `stage`: it leaves its stage's plan now and serves the new
         one once it holds that stage's state (Ready)."""
         order = MoveOrder(
@@ -158,31 +381,35 @@ class Membership:
         )
         member.stage, member.serving, member.ready_step = stage, False, -1
         member.move_order = order.order
+        member.moved_at = time.monotonic() if now is None else now
         self.moves.append(order)
         return order
 
     def weights(self, stage: int) -> dict[str, float]:
-        """Routing weight of each live replica of `stage`: its measured compute rate.
+        """Routing weight of each live replica of `stage`: its effective rate in the
+        throughput model (fleet_model.py), the lesser of its compute rate and what its
+        links carry.
 
-        The rate is samples per busy second of the node's compute thread, which
-        says what it *could* do; the rate it does do follows the traffic it is
-        sent, and weighting by that would starve whichever replica got less at
-        first. A replica with no measurement yet gets the mean of the others, or
-        1.0 when none is measured.
+        The compute rate is samples per busy second of the node's compute thread, which
+        says what it *could* do; the rate it does do follows the traffic it is sent, and
+        weighting by that would starve whichever replica got less at first. Its links cap
+        it: a replica whose uplink fell would otherwise be sent its compute rate's share and
+        hold every step up until its microbatches crawl through. A replica with no
+        measurement yet counts as the fleet's mean node (1.0 when none is measured).
         """
-        replicas = sorted((m for m in self.live() if m.stage == stage), key=lambda m: m.node_id)
-        measured = {
-            m.node_id: m.telemetry.compute_samples_per_second
-            for m in replicas
-            if m.telemetry is not None and m.telemetry.compute_samples_per_second > 0
-        }
-        default = sum(measured.values()) / len(measured) if measured else 1.0
-        return {m.node_id: measured.get(m.node_id, default) for m in replicas}
+        return self._all_weights()[stage]
+
+    def _all_weights(self) -> list[dict[str, float]]:
+        """`weights` of every stage, from one reading of the fleet."""
+        by_stage: list[dict[str, float]] = [{} for _ in range(self.num_stages)]
+        for node_id, rate in sorted(self.effective_rates().items()):
+            by_stage[self.members[node_id].stage][node_id] = rate
+        return by_stage
 
     def weights_drifted(self) -> bool:
         """Whether any live replica's weight moved past WEIGHT_DRIFT since the last plan."""
-        for stage in range(self.num_stages):
-            for node_id, weight in self.weights(stage).items():
+        for weights in self._all_weights():
+            for node_id, weight in weights.items():
                 old = self.published_weights.get(node_id)
                 if old is None or abs(weight - old) > WEIGHT_DRIFT * old:
                     return True
@@ -192,10 +419,9 @@ class Membership:
         self.plan_version += 1
         stages = []
         self.published_weights = {}
-        for s in range(self.num_stages):
-            weights = self.weights(s)
+        by_id = {m.node_id: m for m in self.live()}
+        for s, weights in enumerate(self._all_weights()):
             self.published_weights.update(weights)
-            by_id = {m.node_id: m for m in self.live()}
             replicas = [
                 control_pb2.Replica(node_id=node_id, address=by_id[node_id].address, weight=weight)
                 for node_id, weight in weights.items()
@@ -219,3 +445,7 @@ class Membership:
                 if m.move_order and not m.serving and not m.drained
             ],
         )
+
+
+def _observed(m: Member) -> fleet_model.Observed:
+    return fleet_model.Observed(m.node_id, m.stage, m.telemetry)

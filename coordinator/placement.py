@@ -47,8 +47,11 @@ the bound by `min_gain` (10 %) or it is dropped. A move pays when, over `horizon
 samples it gains after the mover is in place exceed those lost while it downloads the
 state (`move_overhead_s` + state bytes / its inbound bandwidth): the mover is gone from its
 stage, and one replica of the stage it goes to is charged as serving nothing while it
-streams the state. Hysteresis is the gain threshold plus a per-node cool-down after a join
-or move: ±3 % noise on every rate can fake at most a 1.03/0.97 - 1 = 6.2 % gain, under 10 %.
+streams the state. A batch leaves every stage one of the replicas it had (a mover stops
+serving at once, a node moving in only once it holds the state, so a chain of moves must not
+take a stage's last present replica while others are on their way). Hysteresis is the gain
+threshold plus a per-node cool-down after a join or move: ±3 % noise on every rate can fake
+at most a 1.03/0.97 - 1 = 6.2 % gain, under 10 %.
 """
 
 from __future__ import annotations
@@ -335,6 +338,40 @@ class _Layout:
     def bound_with(self, changes: Mapping[int, float]) -> float:
         """The bound if each stage's total changed by the given amounts."""
         return min(t + changes.get(s, 0.0) for s, t in enumerate(self.totals))
+
+
+class _DepartureLayout(_Layout):
+    """A layout that counts, per stage, how many of the nodes it started with have left.
+
+    A mover stops serving its old stage when it is ordered to move, and a node moving in
+    serves only once it holds the state: so a rebalance must leave every stage one of the
+    replicas it has now, whatever arrives (a chain of moves could otherwise take all of
+    them while others are on their way)."""
+
+    def __init__(
+        self, rates: Mapping[str, tuple[float, ...]], assignment: Mapping[str, int], n: int
+    ) -> None:
+        super().__init__(rates, assignment, n)
+        self.origin = dict(assignment)
+        self.originals = replica_counts(assignment, n)
+        self.left = [0] * n
+
+    def move(self, node_id: str, stage: int) -> None:
+        src = self.stage_of[node_id]
+        home = self.origin.get(node_id)
+        if home == src:
+            self.left[src] += 1
+        if home == stage:
+            self.left[stage] -= 1
+        super().move(node_id, stage)
+
+    def keeps_a_replica(self, step: Step) -> bool:
+        """Whether every stage `step` takes nodes from keeps one it started with."""
+        leaving = [0] * len(self.left)
+        for node_id, src, _ in step:
+            if self.origin.get(node_id) == src:
+                leaving[src] += 1
+        return all(self.left[s] + k < self.originals[s] for s, k in enumerate(leaving) if k)
 
 
 Step = list[tuple[str, int, int]]
@@ -662,7 +699,7 @@ def rebalance(
     `assignment` holds every node that holds a stage, serving or still downloading;
     `last_moved` the time each node joined or last moved (absent: long ago)."""
     rates = rate_table((nodes[k] for k in assignment), stages)
-    layout = _Layout(rates, assignment, len(stages))
+    layout = _DepartureLayout(rates, assignment, len(stages))
     n_stages = len(stages)
     moves: list[Move] = []
     taken: set[str] = set()
@@ -697,7 +734,7 @@ def rebalance(
     before = layout.bound()
 
     def worth_it(lay: _Layout, step: Step) -> bool:
-        return _pays_off(lay, step, nodes, stages, policy)
+        return layout.keeps_a_replica(step) and _pays_off(lay, step, nodes, stages, policy)
 
     steps = _improve(
         layout,
@@ -713,10 +750,47 @@ def rebalance(
     return moves
 
 
+def refill(
+    assignment: Mapping[str, int],
+    nodes: Mapping[str, NodeCaps],
+    stages: Sequence[StageSpec],
+    policy: PlacementPolicy,
+    *,
+    targets: Iterable[int],
+) -> list[Move]:
+    """Rebalancing's first rule alone: give each of `targets` (stages with no replica in
+    `assignment`) the node that costs the rest least, never a stage's last replica. The
+    coordinator calls it the moment a stage loses its last replica; `rebalance` does the
+    same as its step 1."""
+    rates = rate_table((nodes[k] for k in assignment), stages)
+    layout = _Layout(rates, assignment, len(stages))
+    moves: list[Move] = []
+    taken: set[str] = set()
+    for empty in targets:
+        if layout.members[empty]:
+            continue
+        step = _refill(layout, empty, lambda n: n not in taken)
+        for node_id, src, dst in step:
+            layout.move(node_id, dst)
+            taken.add(node_id)
+            dl = download_seconds(nodes[node_id], stages[dst], policy)
+            moves.append(
+                Move(
+                    node_id=node_id,
+                    from_stage=src,
+                    to_stage=dst,
+                    reason="empty-stage",
+                    download_s=dl,
+                )
+            )
+    return moves
+
+
 def _refill(layout: _Layout, empty: int, movable: Callable[[str], bool]) -> Step:
     """The node to move onto an empty stage: the one that leaves the best bound behind."""
     for min_count in (3, 2):
-        best_v, best = -1.0, None
+        best_v: tuple[float, float] = (-1.0, 0.0)
+        best = None
         for s, members in enumerate(layout.members):
             if len(members) < min_count:
                 continue
@@ -724,7 +798,8 @@ def _refill(layout: _Layout, empty: int, movable: Callable[[str], bool]) -> Step
                 if not movable(node_id):
                     continue
                 r = layout.rates[node_id]
-                v = min(r[empty], layout.totals[s] - r[s])
+                # Ties go to the node slower where it is: its stage loses least.
+                v = (min(r[empty], layout.totals[s] - r[s]), -r[s])
                 if v > best_v:
                     best_v, best = v, (node_id, s, empty)
         if best is not None:

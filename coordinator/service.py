@@ -29,7 +29,8 @@ from swarmpipe.config import RunConfig, codec_enum, codec_name
 from swarmpipe.control.bus import BrokerAddress, BrokerAuthError, Topics, make_client
 from swarmpipe.control.mqtt_acl import RESERVED_USERS
 from swarmpipe.coordinator.admission import Admission
-from swarmpipe.coordinator.membership import Member, Membership, MoveOrder
+from swarmpipe.coordinator.membership import Member, Membership, MoveOrder, ThroughputView
+from swarmpipe.coordinator.placement import PlacementPolicy
 from swarmpipe.coordinator.state_db import Extras, MoveRow, StateDB
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.coordinator.suspects import DATA, REDUCE, Suspects
@@ -56,6 +57,22 @@ MAX_NODE_ID_LEN = 128
 # At most one plan per this many seconds for routing-weight changes alone
 # (membership changes publish at once): every plan reaches every node.
 PLAN_REFRESH_S = 5.0
+# A large change in a node's rate is looked for at most this often.
+RATE_CHECK_S = 2.0
+# Status shows the throughput model as of at most this long ago: the best plan it shows
+# beside the bound is a search (the testnet polls Status four times a second).
+THROUGHPUT_VIEW_S = 2.0
+
+
+def placement_policy(config: RunConfig) -> PlacementPolicy:
+    """The placement policy the run's `coordinator` section sets."""
+    c = config.coordinator
+    return PlacementPolicy(
+        min_gain=c.move_min_gain,
+        horizon_s=c.move_horizon_s,
+        cooldown_s=c.move_cooldown_s,
+        move_overhead_s=c.move_overhead_s,
+    )
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -84,7 +101,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             num_stages=config.pipeline.stages,
             activation_codec=codec_enum(config.pipeline.activation_codec),
             gradient_codec=codec_enum(config.pipeline.gradient_codec),
+            policy=placement_policy(config),
         )
+        self._rates_checked_at = 0.0
+        self._throughput: tuple[float, ThroughputView] | None = None
         self.protocol = StepProtocol(
             total_steps=config.train.steps,
             global_batch=config.train.global_batch,
@@ -232,9 +252,50 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _heal(self) -> None:
         """A stage lost its last replica and nobody is on the way: move one there."""
-        order = self.membership.heal()
-        if order is not None:
+        while (order := self.membership.heal()) is not None:
             await self._moved(order)
+
+    def _may_move(self) -> bool:
+        p = self.protocol
+        return bool(p.history) and p.phase not in (Phase.SAVING, Phase.DONE)
+
+    async def rebalance(self, why: str) -> int:
+        """One rebalancing round now; how many moves it ordered."""
+        if not self._may_move():
+            return 0
+        orders = self.membership.rebalance(time.monotonic())
+        if orders:
+            logger.info("rebalancing (%s): %d move(s)", why, len(orders))
+        for order in orders:
+            await self._moved(order)
+        if orders:
+            await self._after_change()
+        return len(orders)
+
+    async def rebalance_loop(self) -> None:
+        """Rebalance every `coordinator.rebalance_every_s` (0: never)."""
+        every = self.config.coordinator.rebalance_every_s
+        if every <= 0:
+            return
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.rebalance("periodic")
+            except Exception:  # one bad round must not end rebalancing for the run
+                logger.exception("a rebalancing round failed; trying again next round")
+
+    async def _check_rates(self) -> None:
+        """A node's rate moved by a quarter or more since the last round: rebalance now,
+        not at the next tick (checked at most once per RATE_CHECK_S: each check reads the
+        whole fleet's telemetry)."""
+        now = time.monotonic()
+        if self.config.coordinator.rebalance_every_s <= 0 or not self._may_move():
+            return
+        if now - self._rates_checked_at < RATE_CHECK_S:
+            return
+        self._rates_checked_at = now
+        if self.membership.rates_changed():
+            await self.rebalance("a node's rate changed")
 
     async def _moved(self, order: MoveOrder) -> None:
         """Log, record and publish a move the membership made. The mover owes nothing to
@@ -324,7 +385,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         elif p.phase is Phase.TRAINING and not self.membership.covered():
             logger.warning("a stage has no live node; leasing paused until one joins")
             p.pause()
-        if p.history and p.phase is not Phase.DONE and p.phase is not Phase.SAVING:
+        if self._may_move():
             await self._heal()
         if p.phase is Phase.APPLY:
             if before[0] is not Phase.APPLY:
@@ -815,6 +876,26 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     seconds_left=max(b.until - now, 0.0),
                 )
             )
+        if self._throughput is None or now - self._throughput[0] > THROUGHPUT_VIEW_S:
+            self._throughput = (now, self.membership.throughput())
+        view = self._throughput[1]
+        reply.placement.CopyFrom(
+            coordinator_pb2.PlacementRecord(
+                bound=view.bound,
+                best_bound=view.best_bound,
+                stage_rates=view.stage_rates,
+                nodes=[
+                    coordinator_pb2.NodeRate(
+                        node_id=n.node_id,
+                        stage=n.stage,
+                        compute=n.compute,
+                        effective=n.effective,
+                        limited_by=n.limited_by,
+                    )
+                    for n in view.nodes
+                ],
+            )
+        )
         for stage, path in sorted(self.final_states.items()):
             reply.final_states.append(
                 coordinator_pb2.FinalStateRecord(stage=stage, step=p.step, path=str(path))
@@ -961,6 +1042,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     await self._publish_plan()
         except Exception as exc:  # a hostile or broken payload must not stop the watch
             logger.warning("ignoring malformed %s message from %s: %s", what, node_id, exc)
+            return
+        if what == "telemetry" and member is not None:
+            await self._check_rates()
 
     async def _on_presence(self, node_id: str, presence: control_pb2.Presence) -> None:
         member = self.membership.members.get(node_id)

@@ -45,11 +45,13 @@ class ComputeWorker:
             try:
                 result = fn()
             except BaseException as exc:
+                self.busy_seconds += time.perf_counter() - start
                 loop.call_soon_threadsafe(_set_exception, future, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, future, result)
-            finally:
+                # Counted before the result is handed over: the awaiting coroutine (and a
+                # telemetry tick after it) must see the job's time in busy_seconds.
                 self.busy_seconds += time.perf_counter() - start
+                loop.call_soon_threadsafe(_set_result, future, result)
 
     def _slowed(self, fn: Callable[[], T]) -> Callable[[], T]:
         """fn, taking `slowdown` times as long: the thread stays busy as long as it would on

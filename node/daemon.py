@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +39,7 @@ from swarmpipe.config import RunConfig
 from swarmpipe.control.bus import BrokerAddress, Topics, make_client, parse_broker_url
 from swarmpipe.control.link_control import LinkSettings, describe
 from swarmpipe.errors import PeerError, SwarmpipeError
+from swarmpipe.node import calibration
 from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
@@ -65,6 +67,9 @@ from swarmpipe.transport.rpc import bind, create_server, enable_health_and_refle
 logger = logging.getLogger(__name__)
 
 TELEMETRY_INTERVAL_S = 1.0
+# The compute rate in telemetry is over this many telemetry ticks, so a node that slows down
+# (or gets faster) shows it within that long, not diluted by its whole life.
+RATE_WINDOW_TICKS = 20
 STATUS_INTERVAL_S = 15.0
 # Tries to set up the MQTT session at start, `NodeOptions.broker_retry_s` apart at first,
 # then twice as long each time (1, 2 and 4 s by default).
@@ -174,6 +179,12 @@ class NodeDaemon:
         """Optimizer steps under way; a move cancels them."""
         self.samples_per_second = 0.0
         """Samples/s, smoothed over the telemetry ticks (the status line's figure)."""
+        self._rate_window: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW_TICKS)
+        """(compute busy seconds, samples processed) at each telemetry tick."""
+        self._compute_rate = 0.0
+        self._calibrated = 0.0
+        self._stage_flops = 0.0
+        self._stage_state_bytes = 0.0
 
     @property
     def failed(self) -> bool:
@@ -259,6 +270,7 @@ class NodeDaemon:
                 what="--device" if self.options.device else "train.device",
             )
             runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage, device))
+            await self._calibrate(runtime)
             joined = self.joined = self._build(config, stage, runtime)
             n_params = sum(p.numel() for p in runtime.module.parameters())
             logger.info(
@@ -493,6 +505,7 @@ class NodeDaemon:
         config = old.ctx.config
         device = self.device
         runtime = await self.compute.run(BACKWARD, lambda: StageRuntime(config, stage, device))
+        await self._calibrate(runtime)
         joined = self.joined = self._build(config, stage, runtime)
         self.peer_admission.stage = stage
         self._applying.clear()  # step numbers of the old stage's applies
@@ -511,6 +524,51 @@ class NodeDaemon:
                     retain=True,
                 )
         await self._start_serving(joined)
+
+    async def _calibrate(self, runtime: StageRuntime) -> None:
+        """Measure the new stage before it takes traffic (node/calibration.py), and start the
+        measured rate afresh: the old window was another stage's."""
+        self._stage_flops = calibration.stage_flops_per_sample(runtime)
+        self._stage_state_bytes = calibration.stage_state_bytes(runtime)
+        self._calibrated = self._compute_rate = 0.0
+        made = calibration.calibration_inputs(runtime)
+        if made is not None:
+            x, tokens = made
+            passes = calibration.CALIBRATION_PASSES
+
+            def run_passes() -> None:
+                for _ in range(passes):
+                    calibration.calibration_pass(runtime, x, tokens)
+
+            try:
+                await self.compute.run(
+                    BACKWARD, lambda: calibration.calibration_pass(runtime, x, tokens)
+                )
+                _, seconds = await self.compute.run_timed(BACKWARD, run_passes)
+            except (RuntimeError, ValueError) as exc:  # the stage will say so on real input
+                logger.warning("calibration of stage %d failed: %s", runtime.stage, exc)
+            else:
+                if seconds > 0:
+                    self._calibrated = passes * x.shape[0] / seconds
+                logger.info(
+                    "calibrated stage %d: %.1f samples/s (%d passes of a microbatch of %d)",
+                    runtime.stage,
+                    self._calibrated,
+                    passes,
+                    x.shape[0],
+                )
+        self._rate_window.clear()
+        self._rate_window.append((self.compute.busy_seconds, self.status.samples_processed))
+
+    def _measured_compute_rate(self) -> float:
+        """Samples per busy second of the compute thread over the last RATE_WINDOW_TICKS
+        ticks (the last figure while it had no work: idle says nothing about its speed)."""
+        busy, samples = self.compute.busy_seconds, self.status.samples_processed
+        self._rate_window.append((busy, samples))
+        old_busy, old_samples = self._rate_window[0]
+        if busy > old_busy and samples > old_samples:
+            self._compute_rate = (samples - old_samples) / (busy - old_busy)
+        return self._compute_rate
 
     async def _start_serving(self, joined: _Joined) -> None:
         """Catch up with the swarm, then take traffic (and lead, on stage 0)."""
@@ -617,6 +675,12 @@ class NodeDaemon:
         except PeerError as exc:
             logger.warning("ignoring the link control message on control/%s: %s", target, exc)
             return
+        slowdown = self.link_settings.slowdown or self.options.compute_slowdown
+        if slowdown != self.compute.slowdown:
+            logger.info(
+                "compute slowdown %g (control/%s; was %g)", slowdown, target, self.compute.slowdown
+            )
+            self.compute.slowdown = slowdown
         limit = self.link_settings.limit
         if limit != before:
             self.links.set_limit(None, limit)
@@ -760,11 +824,10 @@ class NodeDaemon:
             compute_seconds_per_microbatch=self.links.compute.value or 0.0,
             step_times=self.status.step_times.snapshot(),
             in_flight_window=(self.joined.head.window if self.joined and self.joined.head else 0),
-            compute_samples_per_second=(
-                self.status.samples_processed / self.compute.busy_seconds
-                if self.compute.busy_seconds > 0
-                else 0.0
-            ),
+            compute_samples_per_second=self._measured_compute_rate(),
+            calibrated_samples_per_second=self._calibrated,
+            stage_flops_per_sample=self._stage_flops,
+            stage_state_bytes=self._stage_state_bytes,
         )
 
 

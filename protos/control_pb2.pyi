@@ -271,24 +271,34 @@ class LinkControl(_message.Message):
 
     LIMIT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
     LATENCY_MS_FIELD_NUMBER: _builtins.int
+    COMPUTE_SLOWDOWN_FIELD_NUMBER: _builtins.int
     limit_bytes_per_second: _builtins.float
     """0: no limit; 1 kbit/s to 10 Tbit/s else"""
     latency_ms: _builtins.float
     """one-way delay added to each send, 0 to 10000 ms"""
+    compute_slowdown: _builtins.float
+    """The testnet's `profile NODE=slow:F` churn: make the node's compute F times slower
+    (1 to 1000; 1: as fast as its machine). Absent: the node keeps the slowdown it has.
+    """
     def __init__(
         self,
         *,
         limit_bytes_per_second: _builtins.float | None = ...,
         latency_ms: _builtins.float | None = ...,
+        compute_slowdown: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms", "_limit_bytes_per_second", b"_limit_bytes_per_second", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_compute_slowdown", b"_compute_slowdown", "_latency_ms", b"_latency_ms", "_limit_bytes_per_second", b"_limit_bytes_per_second", "compute_slowdown", b"compute_slowdown", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms", "_limit_bytes_per_second", b"_limit_bytes_per_second", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_compute_slowdown", b"_compute_slowdown", "_latency_ms", b"_latency_ms", "_limit_bytes_per_second", b"_limit_bytes_per_second", "compute_slowdown", b"compute_slowdown", "latency_ms", b"latency_ms", "limit_bytes_per_second", b"limit_bytes_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__compute_slowdown: _TypeAlias = _typing.Literal["compute_slowdown"]  # noqa: Y015
+    _WhichOneofArgType__compute_slowdown: _TypeAlias = _typing.Literal["_compute_slowdown", b"_compute_slowdown"]  # noqa: Y015
     _WhichOneofReturnType__latency_ms: _TypeAlias = _typing.Literal["latency_ms"]  # noqa: Y015
     _WhichOneofArgType__latency_ms: _TypeAlias = _typing.Literal["_latency_ms", b"_latency_ms"]  # noqa: Y015
     _WhichOneofReturnType__limit_bytes_per_second: _TypeAlias = _typing.Literal["limit_bytes_per_second"]  # noqa: Y015
     _WhichOneofArgType__limit_bytes_per_second: _TypeAlias = _typing.Literal["_limit_bytes_per_second", b"_limit_bytes_per_second"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__compute_slowdown) -> _WhichOneofReturnType__compute_slowdown | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__latency_ms) -> _WhichOneofReturnType__latency_ms | None: ...
     @_typing.overload
@@ -434,6 +444,9 @@ class Telemetry(_message.Message):
     COMPUTE_SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     STEP_TIMES_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_WINDOW_FIELD_NUMBER: _builtins.int
+    CALIBRATED_SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    STAGE_FLOPS_PER_SAMPLE_FIELD_NUMBER: _builtins.int
+    STAGE_STATE_BYTES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     samples: _builtins.int
@@ -450,6 +463,17 @@ class Telemetry(_message.Message):
     """
     in_flight_window: _builtins.int
     """a head's microbatches in flight now (its window); 0: not a head"""
+    calibrated_samples_per_second: _builtins.float
+    """What placement needs besides the measured rates (coordinator/fleet_model.py):
+    samples/s of forward plus backward on this node's stage from a short calibration run
+    before it took traffic (0: not run), so a node not measured yet is not a guess;
+    """
+    stage_flops_per_sample: _builtins.float
+    """the stage's compute per sample (forward plus backward multiply-adds of its weights),
+    so a rate on one stage predicts the rate on another;
+    """
+    stage_state_bytes: _builtins.float
+    """and the bytes of the stage's state (parameters and optimizer), what a mover downloads."""
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkCounter]:
         """bytes this node has sent, per peer"""
@@ -477,10 +501,13 @@ class Telemetry(_message.Message):
         compute_samples_per_second: _builtins.float = ...,
         step_times: _abc.Iterable[Global___StepTimes] | None = ...,
         in_flight_window: _builtins.int = ...,
+        calibrated_samples_per_second: _builtins.float = ...,
+        stage_flops_per_sample: _builtins.float = ...,
+        stage_state_bytes: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "in_flight_window", b"in_flight_window", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "step_times", b"step_times", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibrated_samples_per_second", b"calibrated_samples_per_second", "compute_samples_per_second", b"compute_samples_per_second", "compute_seconds_per_microbatch", b"compute_seconds_per_microbatch", "in_flight", b"in_flight", "in_flight_window", b"in_flight_window", "link_estimates", b"link_estimates", "links", b"links", "node_id", b"node_id", "samples", b"samples", "samples_per_second", b"samples_per_second", "stage", b"stage", "stage_flops_per_sample", b"stage_flops_per_sample", "stage_state_bytes", b"stage_state_bytes", "step_times", b"step_times", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -640,6 +640,7 @@ class StatusReply(_message.Message):
     MOVES_FIELD_NUMBER: _builtins.int
     BENCHED_FIELD_NUMBER: _builtins.int
     REPORTS_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     step: _builtins.int
     total_steps: _builtins.int
@@ -677,6 +678,10 @@ class StatusReply(_message.Message):
     def benched(self) -> _containers.RepeatedCompositeFieldContainer[Global___BenchRecord]:
         """every node taken out for sending poisoned tensors"""
 
+    @_builtins.property
+    def placement(self) -> Global___PlacementRecord:
+        """the throughput model of the live fleet, now"""
+
     def __init__(
         self,
         *,
@@ -698,10 +703,11 @@ class StatusReply(_message.Message):
         moves: _abc.Iterable[Global___MoveRecord] | None = ...,
         benched: _abc.Iterable[Global___BenchRecord] | None = ...,
         reports: _builtins.int = ...,
+        placement: Global___PlacementRecord | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "placement", b"placement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["benched", b"benched", "counters", b"counters", "departures", b"departures", "done", b"done", "evals", b"evals", "final_states", b"final_states", "joins", b"joins", "link_choices", b"link_choices", "links", b"links", "moves", b"moves", "nodes", b"nodes", "phase", b"phase", "reports", b"reports", "run_id", b"run_id", "state_dir", b"state_dir", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["benched", b"benched", "counters", b"counters", "departures", b"departures", "done", b"done", "evals", b"evals", "final_states", b"final_states", "joins", b"joins", "link_choices", b"link_choices", "links", b"links", "moves", b"moves", "nodes", b"nodes", "phase", b"phase", "placement", b"placement", "reports", b"reports", "run_id", b"run_id", "state_dir", b"state_dir", "step", b"step", "steps", b"steps", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -818,6 +824,78 @@ class BenchRecord(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BenchRecord: _TypeAlias = BenchRecord  # noqa: Y015
+
+@_typing.final
+class PlacementRecord(_message.Message):
+    """What the coordinator's throughput model (coordinator/placement.py) makes of the serving
+    nodes, from their telemetry (coordinator/fleet_model.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOUND_FIELD_NUMBER: _builtins.int
+    BEST_BOUND_FIELD_NUMBER: _builtins.int
+    STAGE_RATES_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    bound: _builtins.float
+    """samples/s the pipeline can train at most: its slowest stage"""
+    best_bound: _builtins.float
+    """the same model's best plan for these nodes (0: over 256)"""
+    @_builtins.property
+    def stage_rates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """each stage's rate: its replicas' effective rates summed"""
+
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeRate]: ...
+    def __init__(
+        self,
+        *,
+        bound: _builtins.float = ...,
+        best_bound: _builtins.float = ...,
+        stage_rates: _abc.Iterable[_builtins.float] | None = ...,
+        nodes: _abc.Iterable[Global___NodeRate] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_bound", b"best_bound", "bound", b"bound", "nodes", b"nodes", "stage_rates", b"stage_rates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementRecord: _TypeAlias = PlacementRecord  # noqa: Y015
+
+@_typing.final
+class NodeRate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    COMPUTE_FIELD_NUMBER: _builtins.int
+    EFFECTIVE_FIELD_NUMBER: _builtins.int
+    LIMITED_BY_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    stage: _builtins.int
+    compute: _builtins.float
+    """samples/s its compute gives on its stage (measured or calibrated)"""
+    effective: _builtins.float
+    """the lesser of that and what its links carry at the codecs in use"""
+    limited_by: _builtins.str
+    """"compute" or "bandwidth" """
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        stage: _builtins.int = ...,
+        compute: _builtins.float = ...,
+        effective: _builtins.float = ...,
+        limited_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute", b"compute", "effective", b"effective", "limited_by", b"limited_by", "node_id", b"node_id", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeRate: _TypeAlias = NodeRate  # noqa: Y015
 
 @_typing.final
 class MoveRecord(_message.Message):

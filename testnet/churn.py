@@ -21,6 +21,12 @@ withdraws that setting, so the node goes back to the limit it started with
 `swarmpipe link-limit` publishes (see control/link_control.py), so it reaches the
 nodes as a real organiser's would; the testnet clears it when the run ends.
 
+`profile NODE=mbit:X,slow:Y@T` changes a node's profile (as `--node-profile` sets it at
+start) from T on: `mbit` its send limit (as `link` does), `slow` its compute slowdown
+factor (1: as fast as the machine). Keys left out keep their setting. It travels in the
+same retained `LinkControl` message as `link` (its `compute_slowdown` field), so a node that
+restarts finds it waiting; the testnet sends each node's send limit and slowdown together.
+
 `--churn-random RATE --churn-seed S` adds kills at random: a Poisson process
 of RATE kills per minute, each of a node picked at random (seeded) among
 those whose stage has another replica online, each restarted with the same
@@ -33,16 +39,21 @@ training began, and the step) for the report.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from swarmpipe.control.link_control import check_slowdown
 from swarmpipe.errors import ConfigError
 from swarmpipe.transport.limits import MBIT, check_limit
 
 _WHEN = r"\s*@\s*(?:(\d+(?:\.\d+)?)s|step(\d+))$"
 _EVENT = re.compile(r"^(kill|start)\s+([A-Za-z0-9_.-]{1,64})" + _WHEN)
+_PROFILE = re.compile(r"^profile\s+([A-Za-z0-9_.-]{1,64})\s*=\s*([^@]+?)" + _WHEN)
+# A comma also parts a profile's keys: a part that starts with one belongs to the item before.
+_PROFILE_KEY = re.compile(r"^\s*(mbit|slow)\s*:")
 _LINK = re.compile(r"^link\s+([A-Za-z0-9_.-]{1,64})\s*=\s*(off|\d+(?:\.\d+)?(?:e-?\d+)?)" + _WHEN)
 
 
@@ -55,6 +66,8 @@ class ChurnEvent:
     seconds: float | None = None
     after_steps: int | None = None
     mbit: float | None = None  # "link": the limit in Mbit/s (0: none); None: withdraw it
+    # "profile": the send limit in Mbit/s and compute slowdown it sets; None: left as is
+    slow: float | None = None
 
     def due(self, elapsed: float, steps_done: int) -> bool:
         if self.seconds is not None:
@@ -72,6 +85,10 @@ class ChurnEvent:
         if self.action == "link":
             setting = "off" if self.mbit is None else f"{self.mbit:g}"
             return f"link {self.node}={setting}@{self.when}"
+        if self.action == "profile":
+            keys = [f"mbit:{self.mbit:g}"] if self.mbit is not None else []
+            keys += [f"slow:{self.slow:g}"] if self.slow is not None else []
+            return f"profile {self.node}={','.join(keys)}@{self.when}"
         return f"{self.action} {self.node}@{self.when}"
 
 
@@ -87,6 +104,7 @@ class ChurnRecord:
     stage: int  # the node's stage (-1 when not known yet)
     outcome: str  # "killed", "started", "not running", "limited", "skipped: ..."
     mbit: float | None = None  # "link": the limit set in Mbit/s (0: none); None: withdrawn
+    slow: float | None = None  # "profile": the compute slowdown set; None: not changed
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,11 +113,22 @@ class ChurnRecord:
 def parse_schedule(text: str) -> list[ChurnEvent]:
     """Parse `kill n1@8s, start n1@step5, link n1=2@step8` into events; a ConfigError names
     a bad item."""
+    items: list[str] = []
+    for part in filter(None, (part.strip() for part in text.split(","))):
+        if items and items[-1].startswith("profile") and _PROFILE_KEY.match(part):
+            items[-1] += "," + part
+        else:
+            items.append(part)
     events = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in items:
         mbit: float | None = None
+        slow: float | None = None
         if match := _EVENT.match(item):
             action, node, seconds, steps = match.groups()
+        elif match := _PROFILE.match(item):
+            node, spec, seconds, steps = match.groups()
+            action = "profile"
+            mbit, slow = _profile_settings(item, spec)
         elif match := _LINK.match(item):
             node, setting, seconds, steps = match.groups()
             action = "link"
@@ -109,7 +138,8 @@ def parse_schedule(text: str) -> list[ChurnEvent]:
         else:
             raise ConfigError(
                 f"--churn item {item!r} must look like 'kill NODE@8s', 'start NODE@step5', "
-                "'link NODE=2@step8' (Mbit/s; NODE may be all) or 'link NODE=off@20s'"
+                "'link NODE=2@step8' (Mbit/s; NODE may be all), 'link NODE=off@20s' or "
+                "'profile NODE=mbit:5,slow:2@20s'"
             )
         events.append(
             ChurnEvent(
@@ -118,9 +148,33 @@ def parse_schedule(text: str) -> list[ChurnEvent]:
                 seconds=float(seconds) if seconds is not None else None,
                 after_steps=int(steps) if steps is not None else None,
                 mbit=mbit,
+                slow=slow,
             )
         )
     return events
+
+
+def _profile_settings(item: str, spec: str) -> tuple[float | None, float | None]:
+    """(Mbit/s, slowdown) a profile event's `mbit:X,slow:Y` sets; a ConfigError names a
+    bad key or value."""
+    mbit: float | None = None
+    slow: float | None = None
+    for part in spec.split(","):
+        key, sep, value = (x.strip() for x in part.partition(":"))
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not sep or key not in ("mbit", "slow") or not math.isfinite(number):
+            raise ConfigError(
+                f"--churn item {item!r}: {part.strip()!r} is not mbit:NUMBER or slow:NUMBER"
+            )
+        if key == "mbit":
+            check_limit(number * MBIT, what=f"--churn item {item!r}: mbit:{value}")
+            mbit = number
+        else:
+            slow = check_slowdown(number, what=f"--churn item {item!r}: slow:{value}")
+    return mbit, slow
 
 
 class ChurnPlan:

@@ -105,9 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         metavar="SCHEDULE",
         help="SIGKILL and start nodes (or the coordinator: 'kill coordinator@30s'), and change "
-        "their send limits, on a schedule, e.g. 'kill n1@8s, start n1@step12, link n0=2@step8, "
-        "link n0=off@step20' (seconds since training began, or steps finished; link "
-        "NODE=MBIT or =off, NODE may be all)",
+        "their send limits and profiles, on a schedule, e.g. 'kill n1@8s, start n1@step12, "
+        "link n0=2@step8, link n0=off@step20' (seconds since training began, or steps "
+        "finished; link NODE=MBIT or =off, NODE may be all; profile NODE=mbit:X,slow:Y "
+        "changes a node's --node-profile)",
     )
     parser.add_argument(
         "--churn-random",
@@ -209,6 +210,9 @@ class Testnet:
         self.target = ""
         self.broker_url = ""
         self.link_controls: set[str] = set()
+        self.controls: dict[str, tuple[float | None, float | None]] = {}
+        """Per control topic (node or all): the send limit (bytes/s; None: withdrawn) and
+        compute slowdown (None: the node's own) the testnet's churn set, sent together."""
         """Nodes (or "all") given a retained LinkControl, cleared when the run ends."""
         self.training_since: float | None = None
         self.training_began_wall: float | None = None
@@ -394,7 +398,7 @@ class Testnet:
                 # finished run): the event is reported as not reached.
                 self.churn.pending.append(event)
                 continue
-            if event.action == "link":
+            if event.action in ("link", "profile"):
                 await self._link(event, steps=steps, stages=stages)
             else:
                 self._perform(event.action, event.node, event.when, steps=steps, stages=stages)
@@ -458,16 +462,34 @@ class Testnet:
             )
 
     async def _link(self, event: ChurnEvent, *, steps: int, stages: dict[str, int]) -> None:
-        """Publish the event's LinkControl, as `swarmpipe link-limit` would."""
+        """Publish the event's LinkControl, as `swarmpipe link-limit` would: a `link` event
+        sets or withdraws the send limit, a `profile` event the keys it names; the node's
+        other setting goes along unchanged (one retained message holds both)."""
         assert self.training_since is not None
-        limit = None if event.mbit is None else event.mbit * MBIT
+        limit, slowdown = self.controls.get(event.node, (None, None))
+        if event.action == "link" or event.mbit is not None:
+            limit = None if event.mbit is None else event.mbit * MBIT
+        if event.slow is not None:
+            slowdown = event.slow
+        self.controls[event.node] = (limit, slowdown)
         self.link_controls.add(event.node)
-        await link_control.publish(self._organiser_broker(), self.config.run_id, event.node, limit)
+        await link_control.publish(
+            self._organiser_broker(),
+            self.config.run_id,
+            event.node,
+            limit,
+            slowdown=slowdown,
+        )
         elapsed = time.monotonic() - self.training_since
         outcome = "withdrawn" if limit is None else f"limited to {link_control.describe(limit)}"
+        if event.action == "profile":
+            outcome = "set " + ", ".join(
+                ([f"send limit {link_control.describe(limit)}"] if event.mbit is not None else [])
+                + ([f"compute slowdown {event.slow:g}"] if event.slow is not None else [])
+            )
         self._record(
             ChurnRecord(
-                "link",
+                event.action,
                 event.node,
                 event.when,
                 elapsed,
@@ -475,6 +497,7 @@ class Testnet:
                 stages.get(event.node, -1),
                 outcome,
                 mbit=event.mbit,
+                slow=event.slow,
             )
         )
 

@@ -171,7 +171,7 @@ def _title(report: dict[str, Any]) -> str:
 def _performed(record: dict[str, Any]) -> bool:
     outcome = str(record.get("outcome", ""))
     # "killed by SIGKILL from outside the testnet": a node that died without the testnet.
-    return outcome in PERFORMED or outcome.startswith(("limited", "killed by"))
+    return outcome in PERFORMED or outcome.startswith(("limited", "killed by", "set "))
 
 
 def _churn_label(record: dict[str, Any]) -> str:

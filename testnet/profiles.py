@@ -13,10 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from swarmpipe.control.link_control import MAX_SLOWDOWN
 from swarmpipe.errors import ConfigError
 from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
-
-MAX_SLOWDOWN = 1000.0
 
 
 @dataclass(frozen=True, slots=True)

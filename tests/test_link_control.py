@@ -134,3 +134,20 @@ def test_link_limit_says_when_the_broker_is_unreachable() -> None:
     assert done.returncode == 1 and "cannot publish to the broker at mqtt://127.0.0.1:9" in (
         done.stderr
     ), done.stderr
+
+
+def test_a_slowdown_travels_beside_the_limit_and_stays_until_withdrawn() -> None:
+    settings = LinkSettings("n1", start_limit=10 * MBIT)
+    assert settings.slowdown is None
+    settings.on_message("n1", encode(2 * MBIT, slowdown=3.0))
+    assert (settings.limit, settings.slowdown) == (2 * MBIT, 3.0)
+    settings.on_message(ALL, encode(None, slowdown=5.0))
+    assert settings.slowdown == 3.0  # its own topic's wins
+    settings.on_message("n1", encode(MBIT))  # a plain link limit keeps the slowdown
+    assert (settings.limit, settings.slowdown) == (MBIT, 3.0)
+    settings.on_message("n1", encode(None))  # the empty message withdraws both
+    assert (settings.limit, settings.slowdown) == (10 * MBIT, 5.0)
+    with pytest.raises(PeerError, match="out of range"):
+        settings.on_message("n1", control_pb2.LinkControl(compute_slowdown=0.5).SerializeToString())
+    with pytest.raises(ConfigError, match="out of range"):
+        encode(None, slowdown=2000.0)

@@ -241,3 +241,25 @@ def test_benched_nodes_are_listed_in_the_view_and_the_table() -> None:
         "benched for poisoned tensors:\n  step 3: x (stage 1), reported by a, b: norm 900x" in text
     )
     assert status_view(SWARM)["benched"] == []
+
+
+def test_the_view_carries_the_throughput_model_and_the_table_its_bound() -> None:
+    status = pb.StatusReply(
+        run_id="r",
+        placement=pb.PlacementRecord(
+            bound=12.5,
+            best_bound=20.0,
+            stage_rates=[30.0, 12.5],
+            nodes=[
+                pb.NodeRate(
+                    node_id="a", stage=1, compute=40.0, effective=12.5, limited_by="bandwidth"
+                )
+            ],
+        ),
+    )
+    view = status_view(status)
+    assert view["model"]["bound"] == 12.5 and view["model"]["best_bound"] == 20.0
+    assert view["model"]["nodes"]["a"]["limited_by"] == "bandwidth"
+    assert any("the model's bound 12.5 (best plan 20.0)" in line for line in status_table(view))
+    empty = status_view(pb.StatusReply(run_id="r"))["model"]
+    assert empty["bound"] is None and empty["best_bound"] is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from swarmpipe.errors import ConfigError
@@ -95,3 +97,31 @@ def test_link_events_are_recorded_with_their_mbit() -> None:
     record = ChurnRecord("link", "all", "step8", 3.5, 8, -1, "limited to 2 Mbit/s", mbit=2.0)
     assert record.as_dict()["mbit"] == 2.0
     assert ChurnRecord("kill", "n1", "3s", 3.0, 1, 0, "killed").as_dict()["mbit"] is None
+
+
+def test_profile_items_set_the_keys_they_name_and_keep_their_commas() -> None:
+    events = parse_schedule("kill n0@1s, profile n1=mbit:5,slow:2@20s, profile n2=slow:3@step4")
+    assert events == [
+        ChurnEvent("kill", "n0", seconds=1.0),
+        ChurnEvent("profile", "n1", seconds=20.0, mbit=5.0, slow=2.0),
+        ChurnEvent("profile", "n2", after_steps=4, slow=3.0),
+    ]
+    assert [e.label for e in events[1:]] == [
+        "profile n1=mbit:5,slow:2@20s",
+        "profile n2=slow:3@step4",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ("profile n1=fast:2@3s", "'fast:2' is not mbit:NUMBER or slow:NUMBER"),
+        ("profile n1=slow:0.5@3s", "slow:0.5 is out of range: give 1 to 1000"),
+        ("profile n1=mbit:-1@3s", "mbit:-1 is out of range"),
+        ("profile n1=slow:x@3s", "'slow:x' is not mbit:NUMBER"),
+        ("profile n1=slow:2", "must look like"),
+    ],
+)
+def test_a_bad_profile_item_is_named(bad: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse_schedule(bad)

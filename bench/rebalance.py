@@ -1,0 +1,267 @@
+"""`swarmpipe bench rebalance`: one node's link falls to a tenth mid-run; does the swarm recover?
+
+Runs one testnet with every link limited to `--mbit` and rebalancing on (a short cool-down,
+so it fits in minutes). Once `--drop-at-step` steps are done, it picks a node that is one of
+two replicas of its stage (a middle stage first: a middle replica sends activations and
+gradients, so its link binds first) and limits its sends to a tenth, the way an organiser
+would (`swarmpipe link-limit`: a retained LinkControl on the run's broker). Then it watches
+the coordinator's Status: its moves, and its throughput model (`placement` in Status: the
+bound of where the nodes are, and the best plan's bound for the same nodes, from their
+telemetry). Prints JSON with samples/s measured from the step records
+
+- before the drop,
+- just after it (steps finished between the drop and the first move),
+- after the rebalance (steps that began once every mover served its new stage),
+
+each beside the model's bound for that fleet at that time, and `recovered_fraction`: the
+samples/s after the rebalance over the best bound the model computes for the fleet with the
+fallen link (target: at least 0.8). All three come from one run, so the ratios mean
+something on a noisy host; the absolute figures do not travel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from swarmpipe.config import add_config_arguments, load_config
+from swarmpipe.control import link_control
+from swarmpipe.control.bus import parse_broker_url
+from swarmpipe.process.ready import read_ready_file
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.transport.limits import MBIT
+
+# Rebalancing settings that fit a run of minutes: a round every 5 s, a node may move again
+# 15 s after its last move or join, and a move is costed at 5 s plus its download over a
+# 10-minute horizon (the defaults, 15 min and an hour, are for volunteer fleets).
+FAST_REBALANCING = (
+    "coordinator.rebalance_every_s=5",
+    "coordinator.move_cooldown_s=15",
+    "coordinator.move_overhead_s=5",
+    "coordinator.move_horizon_s=600",
+)
+POLL_S = 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=7, help="testnet nodes")
+    parser.add_argument("--stages", type=int, default=3, help="pipeline stages")
+    parser.add_argument("--steps", type=int, default=90, help="optimizer steps in the run")
+    parser.add_argument("--mbit", type=float, default=8.0, help="every node's send limit")
+    parser.add_argument("--fall", type=float, default=10.0, help="the victim's limit falls by")
+    parser.add_argument("--drop-at-step", type=int, default=25, help="steps before the fall")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="give up on the testnet after this long"
+    )
+    add_config_arguments(parser, with_file=False)
+    parser.add_argument("--out", help="write the JSON here too")
+
+
+def choose_victim(status: coordinator_pb2.StatusReply, stages: int) -> str | None:
+    """A node that is one of exactly two serving replicas of its stage, a middle stage
+    first (lowest node id): losing most of its link then makes its stage the bottleneck."""
+    by_stage: dict[int, list[str]] = {}
+    for n in status.nodes:
+        if n.serving:
+            by_stage.setdefault(n.stage, []).append(n.node_id)
+    pairs = sorted(
+        (s for s, ids in by_stage.items() if len(ids) == 2),
+        key=lambda s: (s in (0, stages - 1), s),
+    )
+    return min(by_stage[pairs[0]]) if pairs else None
+
+
+def rate_between(
+    steps: list[coordinator_pb2.StepRecord], start_s: float, end_s: float
+) -> tuple[float | None, int]:
+    """Samples/s of the steps that began after `start_s` and finished by `end_s` (seconds
+    since step 0 opened), and how many there were."""
+    times = [s.elapsed_s for s in steps]
+    inside = [
+        i for i, s in enumerate(steps) if i > 0 and times[i - 1] >= start_s and times[i] <= end_s
+    ]
+    if not inside:
+        return None, 0
+    first, last = inside[0], inside[-1]
+    samples = sum(steps[i].samples for i in inside)
+    return samples / max(times[last] - times[first - 1], 1e-9), len(inside)
+
+
+def _views(
+    samples: list[tuple[float, coordinator_pb2.PlacementRecord]], start: float, end: float
+) -> dict[str, Any]:
+    """The median of the model's figures polled between `start` and `end`."""
+    chosen = [p for t, p in samples if start <= t <= end and p.bound > 0]
+    if not chosen:
+        return {"bound": None, "best_bound": None}
+    return {
+        "bound": statistics.median(p.bound for p in chosen),
+        "best_bound": statistics.median(p.best_bound for p in chosen),
+        "stage_rates": [round(r, 2) for r in chosen[-1].stage_rates],
+        "limited_by": {n.node_id: n.limited_by for n in chosen[-1].nodes},
+    }
+
+
+class _Watch:
+    """The bench's view of the running testnet: Status polls and what it did."""
+
+    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
+        self.stub = stub
+        self.views: list[tuple[float, coordinator_pb2.PlacementRecord]] = []
+        self.status = coordinator_pb2.StatusReply()
+        self.gone = False
+
+    def poll(self) -> coordinator_pb2.StatusReply:
+        """The latest Status; the last one seen when the coordinator is gone (the testnet
+        stops it once the run is done: `_alive_or_fail` says whether that was a failure)."""
+        try:
+            status: coordinator_pb2.StatusReply = self.stub.Status(
+                coordinator_pb2.StatusRequest(), timeout=10
+            )
+        except grpc.RpcError:
+            self.gone = True
+            return self.status
+        self.status = status
+        # On the steps' clock: seconds since step 0 opened, as of the last finished step.
+        now = status.steps[-1].elapsed_s if status.steps else 0.0
+        self.views.append((now, status.placement))
+        return status
+
+
+def serve(args: argparse.Namespace) -> int:
+    overrides = [*FAST_REBALANCING, *args.set]
+    load_config(None, overrides)  # a bad --set fails before anything starts
+    if args.fall <= 1 or args.drop_at_step < 3 or args.drop_at_step >= args.steps - 10:
+        raise SystemExit("give --fall > 1 and 3 <= --drop-at-step <= --steps - 10")
+    with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-rebalance-") as tmp:
+        result = _run(args, overrides, Path(tmp))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "swarmpipe", "--log-level", "WARNING", "testnet", "--quiet",
+        "--nodes", str(args.nodes), "--stages", str(args.stages), "--steps", str(args.steps),
+        "--link-mbit", f"{args.mbit:g}", "--threads", str(args.threads), "--out", str(out),
+        # A step that waits on a fallen link takes long on a loaded host: not a stall.
+        "--stall-timeout", "600",
+    ]  # fmt: skip
+    for item in overrides:
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + args.timeout
+    try:
+        ready_path = out / "logs" / "coordinator.ready.json"
+        while (ready := read_ready_file(ready_path)) is None:
+            _alive_or_fail(proc, deadline)
+            time.sleep(POLL_S)
+        with grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as channel:
+            watch = _Watch(coordinator_pb2_grpc.CoordinatorStub(channel))
+            figures = _drop_and_watch(args, watch, ready["broker_url"], proc, deadline)
+        _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+        if proc.returncode != 0:
+            raise SystemExit(f"the testnet failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+        report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the testnet stops its children on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    figures["counters"] = report["counters"]
+    figures["moves"] = report.get("moves", [])
+    return figures
+
+
+def _alive_or_fail(proc: subprocess.Popen[str], deadline: float, *, done: bool = False) -> None:
+    if proc.poll() is not None and not (done and proc.returncode == 0):
+        stderr = proc.stderr.read() if proc.stderr else ""
+        raise SystemExit(f"the testnet ended early (exit {proc.returncode}):\n{stderr[-3000:]}")
+    if time.monotonic() > deadline:
+        raise SystemExit("the testnet took longer than --timeout")
+
+
+def _drop_and_watch(
+    args: argparse.Namespace,
+    watch: _Watch,
+    broker_url: str,
+    proc: subprocess.Popen[str],
+    deadline: float,
+) -> dict[str, Any]:
+    while len(watch.poll().steps) < args.drop_at_step:
+        _alive_or_fail(proc, deadline)
+        if watch.gone:
+            raise SystemExit("the coordinator went away before the drop")
+        time.sleep(POLL_S)
+    status = watch.status
+    victim = choose_victim(status, args.stages)
+    if victim is None:
+        raise SystemExit(f"no stage has exactly two serving replicas: {status.nodes}")
+    t_drop = status.steps[-1].elapsed_s
+    moves_before = len(status.moves)
+    limit = args.mbit * MBIT / args.fall
+    asyncio.run(link_control.publish(parse_broker_url(broker_url), status.run_id, victim, limit))
+    # Wait for the rebalance: moves ordered after the drop, and every mover serving again.
+    t_moved = t_served = None
+    while t_served is None:
+        _alive_or_fail(proc, deadline, done=watch.gone)
+        time.sleep(POLL_S)
+        status = watch.poll()
+        if status.done or watch.gone:
+            break
+        new = list(status.moves)[moves_before:]
+        if new and t_moved is None:
+            t_moved = new[0].elapsed_s
+        movers = {m.node_id for m in new}
+        serving = {n.node_id for n in status.nodes if n.serving}
+        if new and movers <= serving and status.steps and t_moved is not None:
+            # The steps' clock moves only when a step finishes: no earlier than the move.
+            t_served = max(status.steps[-1].elapsed_s, t_moved)
+    while not watch.poll().done and not watch.gone:  # the steps to the run's end
+        _alive_or_fail(proc, deadline, done=watch.gone)
+        time.sleep(POLL_S)
+    if not watch.status.done:
+        _alive_or_fail(proc, deadline)
+        raise SystemExit("the coordinator went away before the run was done")
+    steps = list(watch.status.steps)
+    end = steps[-1].elapsed_s if steps else 0.0
+    warmup = steps[min(2, len(steps) - 1)].elapsed_s if steps else 0.0
+    before, n_before = rate_between(steps, warmup, t_drop)
+    dropped, n_dropped = rate_between(steps, t_drop, t_moved if t_moved is not None else end)
+    after, n_after = (None, 0) if t_served is None else rate_between(steps, t_served, end)
+    new_fleet = _views(watch.views, t_served or end, end)
+    best = new_fleet.get("best_bound")
+    return {
+        "nodes": args.nodes,
+        "stages": args.stages,
+        "mbit": args.mbit,
+        "victim": victim,
+        "victim_mbit_after": args.mbit / args.fall,
+        "drop_at_seconds": t_drop,
+        "first_move_at_seconds": t_moved,
+        "movers_serving_at_seconds": t_served,
+        "before": {"samples_per_second": before, "steps": n_before}
+        | _views(watch.views, warmup, t_drop),
+        "after_drop": {"samples_per_second": dropped, "steps": n_dropped}
+        | _views(watch.views, t_drop, t_moved if t_moved is not None else end),
+        "after_rebalance": {"samples_per_second": after, "steps": n_after} | new_fleet,
+        "recovered_fraction": after / best if after and best else None,
+        "target_fraction": 0.8,
+    }
