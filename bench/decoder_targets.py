@@ -371,6 +371,101 @@ def _forward_request() -> Callable[[bytes], bool]:
     return run
 
 
+def _reduce_request() -> Callable[[bytes], bool]:
+    """ReduceMessages into a replica (Stage.Reduce): ReplicaSync.receive on a real stage
+    context whose plan lists this node and one peer, `n-peer`, as the stage's replicas."""
+    from swarmpipe.node.compute import ComputeWorker
+    from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
+    from swarmpipe.node.links import Links
+    from swarmpipe.node.replica_sync import ReplicaSync
+    from swarmpipe.node.router import Router
+    from swarmpipe.node.transport import LinkStats
+    from swarmpipe.protos import control_pb2, stage_pb2
+    from swarmpipe.transport.rpc import open_channel
+
+    runtime = _runtime(1)
+    loop = asyncio.new_event_loop()
+
+    async def build() -> ReplicaSync:
+        stats, links = LinkStats(), Links()
+        router = Router("n-self", stats, links)
+        plan = control_pb2.Plan(version=1, num_stages=2)
+        plan.stages.add()
+        replicas = plan.stages.add().replicas
+        replicas.add(node_id="n-self", address="127.0.0.1:1")
+        replicas.add(node_id="n-peer", address="127.0.0.1:2")
+        router.set_plan(plan)
+        ctx = StageContext(
+            node_id="n-self",
+            stage=1,
+            config=runtime.config,
+            runtime=runtime,
+            compute=ComputeWorker(),
+            links=links,
+            stats=stats,
+            router=router,
+            coordinator=CoordinatorClient(open_channel("127.0.0.1:1"), "127.0.0.1:1"),
+            status=NodeStatus(),
+        )
+        return ReplicaSync(ctx)
+
+    sync = loop.run_until_complete(build())
+
+    async def stream(messages: list[Any]) -> AsyncIterator[Any]:
+        for message in messages:
+            yield message
+
+    def run(data: bytes) -> bool:
+        records = split_records(data)
+        messages = [_parse(stage_pb2.ReduceMessage, r) for r in records[1:]]
+        if any(m is None for m in messages):
+            return False
+        if _flags(records) & FIX_SIZES:
+            tensors = [m.tensor for m in messages if m.WhichOneof("kind") == "tensor"]
+            chunks = [m.chunk.data for m in messages if m.WhichOneof("kind") == "chunk"]
+            for tensor in tensors[:1]:
+                tensor.payload_bytes = sum(len(c) for c in chunks)
+                tensor.crc32 = zlib.crc32(b"".join(chunks))
+        sync._rounds.clear()  # each input a fresh exchange, as each step's is
+        loop.run_until_complete(sync.receive(stream(messages)))
+        for exchange in sync._rounds.values():
+            for flat, _, _ in exchange.contributions.values():
+                if flat.shape != (runtime.n_parameters,) or not bool(flat.isfinite().all()):
+                    raise Crash(f"a contribution of shape {tuple(flat.shape)} was taken")
+        return True
+
+    return run
+
+
+def _reduce_seeds() -> list[bytes]:
+    import torch
+
+    from swarmpipe.compression.wire import encode_tensor
+    from swarmpipe.protos import stage_pb2, tensor_pb2
+
+    runtime = _runtime(1)
+    gradient = torch.randn(runtime.n_parameters, generator=torch.Generator().manual_seed(3))
+    seeds = []
+    for codec in ("lossless", "int8", "topk"):
+        tensor, payload = encode_tensor(gradient, codec)
+        header = stage_pb2.ReduceHeader(step=0, sender_node="n-peer", tokens=64, samples=8)
+        messages = [
+            stage_pb2.ReduceMessage(header=header),
+            stage_pb2.ReduceMessage(tensor=tensor),
+            *(
+                stage_pb2.ReduceMessage(chunk=tensor_pb2.TensorChunk(data=c))
+                for c in _chunks(payload, 4096)
+            ),
+        ]
+        for flags in (0, FIX_SIZES):
+            seeds.append(join_records([bytes([flags]), *(m.SerializeToString() for m in messages)]))
+    manifest = stage_pb2.ReduceManifest(step=0, sender_node="n-peer", received=["n-peer"])
+    seeds.append(
+        join_records([b"\0", stage_pb2.ReduceMessage(manifest=manifest).SerializeToString()])
+    )
+    return seeds
+
+
 # -- control plane -----------------------------------------------------------
 
 
@@ -474,6 +569,13 @@ TARGETS: dict[str, Target] = {
             # TensorReader's own limit (node/transport.py MAX_TENSOR_BYTES): the buffer is
             # reserved at the header's size but only touched as far as chunks arrive.
             memory_bound=2 * (256 << 20),
+        ),
+        Target(
+            name="reduce-request",
+            what="a Reduce call's messages into a replica (ReplicaSync.receive)",
+            make=_reduce_request,
+            refusals=_refusals(),
+            memory_bound=2 * (256 << 20),  # as forward-request: TensorReader's limit
         ),
         Target(
             name="control-messages",
@@ -635,6 +737,8 @@ def seed_inputs(name: str) -> list[bytes]:
         return [_checkpoint_file_seed()]
     if name == "forward-request":
         return _forward_seeds()
+    if name == "reduce-request":
+        return _reduce_seeds()
     if name == "control-messages":
         return _control_seeds()
     if name in HARNESS_CHECKS:
