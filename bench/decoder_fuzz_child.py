@@ -94,7 +94,25 @@ def main(argv: list[str]) -> None:
         "rss_limit_mb": rss_limit_mb,
     }
     print(f"{MARK} start {json.dumps(info)}", file=sys.stderr, flush=True)
-    atheris.Setup([argv[0], f"-rss_limit_mb={rss_limit_mb}", *flags], one_input)
+    from swarmpipe.bench.field_mutator import mutate_fields
+
+    def mutate(data: bytes, max_size: int, seed: int) -> bytes:
+        # Half the time one protobuf field, to a hostile value that still parses; the
+        # other half (and where that finds nothing to change) libFuzzer's byte mutations.
+        if seed % 2:
+            try:
+                mutated = mutate_fields(data, max_size, seed, target.record_type)
+            except BaseException as exc:  # the harness's own bug, not the decoder's
+                print(f"{MARK} harness-error {type(exc).__name__}: {exc}", file=sys.stderr)
+                raise
+            if mutated is not None:
+                return mutated
+        result: bytes = atheris.Mutate(data, max_size)
+        return result
+
+    atheris.Setup(
+        [argv[0], f"-rss_limit_mb={rss_limit_mb}", *flags], one_input, custom_mutator=mutate
+    )
     atheris.Fuzz()
 
 

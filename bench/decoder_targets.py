@@ -73,6 +73,9 @@ class Target:
     memory_bound: int
     """Bytes one input may make the process allocate: derived from the limits the decoder
     is given (a tensor's `max_bytes`, a stage's state size)."""
+    record_type: Callable[[list[bytes], int], type[Message] | None] = lambda records, i: None
+    """The protobuf message type of record `i` of an input, for `mutate_fields`; None for a
+    record of raw bytes (a chunk, the flags byte)."""
 
 
 def _flags(records: list[bytes]) -> int:
@@ -519,6 +522,43 @@ def _control_messages() -> Callable[[bytes], bool]:
     return run
 
 
+def _each_record(
+    message_type: Callable[[], type[Message]],
+) -> Callable[[list[bytes], int], type[Message] | None]:
+    """Every record after the flags byte is a `message_type()`."""
+    return lambda records, i: message_type() if i else None
+
+
+def _control_record(records: list[bytes], i: int) -> type[Message] | None:
+    types = _read_messages()
+    choice = _flags(records) % (len(types) + 1)
+    return types[choice] if i == 1 and choice < len(types) else None
+
+
+def _header_type() -> type[Message]:
+    from swarmpipe.protos import tensor_pb2
+
+    return tensor_pb2.TensorHeader
+
+
+def _state_type() -> type[Message]:
+    from swarmpipe.protos import state_pb2
+
+    return state_pb2.StateMessage
+
+
+def _forward_type() -> type[Message]:
+    from swarmpipe.protos import stage_pb2
+
+    return stage_pb2.ForwardMessage
+
+
+def _reduce_type() -> type[Message]:
+    from swarmpipe.protos import stage_pb2
+
+    return stage_pb2.ReduceMessage
+
+
 def _refusals(*extra: type[BaseException]) -> tuple[type[BaseException], ...]:
     return (PeerError, CodecError, *extra)
 
@@ -532,6 +572,7 @@ TARGETS: dict[str, Target] = {
             make=_tensor_wire,
             refusals=_refusals(),
             memory_bound=4 * WIRE_MAX_BYTES,
+            record_type=lambda r, i: _header_type() if i == 1 else None,
         ),
         Target(
             name="codec",
@@ -539,6 +580,7 @@ TARGETS: dict[str, Target] = {
             make=_codec(),
             refusals=_refusals(),
             memory_bound=4 * WIRE_MAX_BYTES,
+            record_type=lambda r, i: _header_type() if i == 1 else None,
         ),
         Target(
             name="state-stream",
@@ -546,6 +588,7 @@ TARGETS: dict[str, Target] = {
             make=_state_stream,
             refusals=_refusals(),
             memory_bound=4 << 20,
+            record_type=_each_record(_state_type),
         ),
         Target(
             name="checkpoint-stream",
@@ -553,6 +596,7 @@ TARGETS: dict[str, Target] = {
             make=_checkpoint_stream,
             refusals=_refusals(),
             memory_bound=4 << 20,
+            record_type=_each_record(_state_type),
         ),
         Target(
             name="checkpoint-file",
@@ -569,6 +613,7 @@ TARGETS: dict[str, Target] = {
             # TensorReader's own limit (node/transport.py MAX_TENSOR_BYTES): the buffer is
             # reserved at the header's size but only touched as far as chunks arrive.
             memory_bound=2 * (256 << 20),
+            record_type=_each_record(_forward_type),
         ),
         Target(
             name="reduce-request",
@@ -576,6 +621,7 @@ TARGETS: dict[str, Target] = {
             make=_reduce_request,
             refusals=_refusals(),
             memory_bound=2 * (256 << 20),  # as forward-request: TensorReader's limit
+            record_type=_each_record(_reduce_type),
         ),
         Target(
             name="control-messages",
@@ -583,6 +629,7 @@ TARGETS: dict[str, Target] = {
             make=_control_messages,
             refusals=_refusals(),
             memory_bound=4 << 20,
+            record_type=_control_record,
         ),
     ]
 }
@@ -633,6 +680,7 @@ def codec_target(name: str) -> Target:
         make=_codec(name),
         refusals=base.refusals,
         memory_bound=base.memory_bound,
+        record_type=base.record_type,
     )
 
 
