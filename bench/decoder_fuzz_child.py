@@ -34,6 +34,8 @@ COUNTS = struct.Struct("<QQQ")
 our request parser lets through, so never handed to the decoder)."""
 MARK = "swarmpipe-fuzz:"
 """Prefix of the lines the parent reads."""
+JUMP_KIB = 16 << 10
+"""A rise of the peak RSS by more than this in one input is reported, and the input kept."""
 SLACK_BYTES = 256 << 20
 """Address space over the bound for what any input costs the harness: a thread's stack and
 malloc arena (asyncio.to_thread), libFuzzer's own tables."""
@@ -63,6 +65,7 @@ def main(argv: list[str]) -> None:
     counts_file.truncate(COUNTS.size)
     counts = mmap.mmap(counts_file.fileno(), COUNTS.size)
     tally = [0, 0, 0]
+    peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]
     refusals = target.refusals
     crash_types = (decoder_targets.Crash,)
 
@@ -80,6 +83,16 @@ def main(argv: list[str]) -> None:
         else:
             tally[0 if decoded else 2] += 1
         COUNTS.pack_into(counts, 0, *tally)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if sum(tally) == 1:
+            # libFuzzer sets up its tables (some 25 MiB) around the first input, which is
+            # empty: the decoders' growth is measured from after it.
+            print(f"{MARK} fuzzing-from {peak}", file=sys.stderr, flush=True)
+        elif peak - peaks[0] > JUMP_KIB:
+            # The input that raised the process's peak most: what the memory figure is about.
+            Path(counts_path).with_name("peak-input").write_bytes(data)
+            print(f"{MARK} peak +{peak - peaks[0]} KiB", file=sys.stderr, flush=True)
+        peaks[0] = peak
 
     baseline_kib = _status_kib("VmRSS")
     address_space = _status_kib("VmSize") * 1024 + target.memory_bound + SLACK_BYTES

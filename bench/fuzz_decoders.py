@@ -141,9 +141,15 @@ def parse_output(output: str, returncode: int | None, counts: bytes) -> dict[str
 
     start: dict[str, Any] = {}
     marks = []
+    fuzzing_from_kib = 0
+    jumps = []
     for line in output.splitlines():
         if line.startswith(f"{MARK} start "):
             start = json.loads(line.removeprefix(f"{MARK} start "))
+        elif line.startswith(f"{MARK} fuzzing-from "):
+            fuzzing_from_kib = int(line.split()[-1])
+        elif line.startswith(f"{MARK} peak +"):
+            jumps.append(int(line.split("+")[1].split()[0]))
         elif line.startswith(MARK):
             marks.append(line.removeprefix(MARK).strip())
     decoded, refused, skipped = COUNTS.unpack(counts) if len(counts) == COUNTS.size else (0, 0, 0)
@@ -165,7 +171,8 @@ def parse_output(output: str, returncode: int | None, counts: bytes) -> dict[str
     elif returncode not in (0, None) and problem is None:
         problem = f"the fuzz process exited with {returncode}"
     peak_mb = int(stats.get("peak_rss_mb", 0))
-    baseline_mb = start.get("baseline_rss_kib", 0) / 1024
+    # From after libFuzzer's own setup (its first input), when that line came.
+    baseline_mb = (fuzzing_from_kib or start.get("baseline_rss_kib", 0)) / 1024
     return {
         "inputs": int(stats.get("number_of_executed_units", decoded + refused + skipped)),
         "decoded": decoded,
@@ -178,7 +185,10 @@ def parse_output(output: str, returncode: int | None, counts: bytes) -> dict[str
         "baseline_rss_mb": round(baseline_mb, 1),
         "peak_rss_mb": peak_mb,
         "peak_growth_mb": round(max(0.0, peak_mb - baseline_mb), 1),
+        "largest_one_input_rise_mb": round(max(jumps, default=0) / 1024, 1),
         "memory_bound_mb": round(start.get("memory_bound_bytes", 0) / (1 << 20), 1),
+        # What was enforced: the bound plus the harness's slack.
+        "rss_limit_mb": start.get("rss_limit_mb"),
         "problem": problem,
         "crash_input": artifact.group(1) if artifact else None,
         "returncode": returncode,

@@ -16,8 +16,8 @@ import pytest
 from swarmpipe.bench.decoder_targets import TARGETS, get_target, seed_inputs
 from swarmpipe.bench.fuzz_decoders import CORPUS_ROOT, fuzz_target
 
-RUNS = 1500
-"""Inputs per target, seeds included: a couple of seconds each, most of it the start."""
+RUNS = 500
+"""Inputs per target, seeds included: most of each test's two seconds is the start (torch)."""
 
 
 @pytest.mark.slow
