@@ -34,8 +34,9 @@ COUNTS = struct.Struct("<QQQ")
 our request parser lets through, so never handed to the decoder)."""
 MARK = "swarmpipe-fuzz:"
 """Prefix of the lines the parent reads."""
-JUMP_KIB = 16 << 10
-"""A rise of the peak RSS by more than this in one input is reported, and the input kept."""
+JUMP_KIB = 2 << 10
+"""A rise of the peak RSS by more than this in one input is reported, and the input kept:
+libFuzzer's own tables grow in smaller steps, so a rise this large is the input's doing."""
 SLACK_BYTES = 256 << 20
 """Address space over the bound for what any input costs the harness: a thread's stack and
 malloc arena (asyncio.to_thread), libFuzzer's own tables."""

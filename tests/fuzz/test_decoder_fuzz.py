@@ -31,6 +31,8 @@ def test_decoder_survives_its_corpus_and_mutations(target: str, tmp_path: Path) 
     assert report["hangs"] == 0, detail
     assert report["memory_overruns"] == 0, detail
     assert report["inputs"] == RUNS, report
+    # No one input raised the peak past what the decoder's limits allow.
+    assert report["largest_one_input_rise_mb"] <= report["memory_bound_mb"], report
     # The seeds decode, and the mutations reach the decoder rather than dying in parsing.
     assert report["decoded"] >= len(seed_inputs(target)), report
     assert report["refused"] > 0, report
