@@ -206,6 +206,8 @@ def serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"swarmpipe bench fuzz-decoders: {exc}") from None
     if args.seconds <= 0:
         raise SystemExit("swarmpipe bench fuzz-decoders: --seconds must be > 0")
+    if args.timeout_s < 1:
+        raise SystemExit("swarmpipe bench fuzz-decoders: --timeout-s must be >= 1")
     keep = Path(args.keep) if args.keep else None
     results = {}
     for name in targets:

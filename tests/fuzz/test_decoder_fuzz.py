@@ -21,7 +21,7 @@ RUNS = 500
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_decoder_survives_its_corpus_and_mutations(target: str, tmp_path: Path) -> None:
     report = fuzz_target(target, runs=RUNS, seed=22, timeout_s=20, keep=tmp_path)
@@ -39,7 +39,7 @@ def test_decoder_survives_its_corpus_and_mutations(target: str, tmp_path: Path) 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("how", "field", "problem"),
     [
