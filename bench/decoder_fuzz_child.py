@@ -53,7 +53,8 @@ def main(argv: list[str]) -> None:
     name, counts_path, *flags = argv[1:]
     with atheris.instrument_imports(include=["swarmpipe"]):
         from swarmpipe.bench import decoder_targets
-        from swarmpipe.bench.decoder_targets import get_target, seed_inputs
+        from swarmpipe.bench.decoder_seeds import seed_inputs
+        from swarmpipe.bench.decoder_targets import get_target
 
         target = get_target(name)
         run = target.make()

@@ -59,7 +59,8 @@ def all_targets() -> list[str]:
 
 def corpus_dir(target: str, scratch: Path) -> Path:
     """The target's committed seed corpus, or its seeds written under `scratch`."""
-    from swarmpipe.bench.decoder_targets import input_hash, seed_inputs
+    from swarmpipe.bench.decoder_seeds import seed_inputs
+    from swarmpipe.bench.decoder_targets import input_hash
 
     committed = CORPUS_ROOT / target.partition(":")[0]
     if committed.is_dir() and any(committed.iterdir()):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swarmpipe.bench.decoder_targets import TARGETS, input_hash, seed_inputs
+from swarmpipe.bench.decoder_seeds import seed_inputs
+from swarmpipe.bench.decoder_targets import TARGETS, input_hash
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fuzz" / "corpus"
 

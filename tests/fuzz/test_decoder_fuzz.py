@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmpipe.bench.decoder_targets import TARGETS, get_target, seed_inputs
+from swarmpipe.bench.decoder_seeds import seed_inputs
+from swarmpipe.bench.decoder_targets import TARGETS, get_target
 from swarmpipe.bench.fuzz_decoders import CORPUS_ROOT, fuzz_target
 
 RUNS = 500
