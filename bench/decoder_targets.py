@@ -34,6 +34,15 @@ from swarmpipe.errors import CodecError, PeerError
 WIRE_MAX_BYTES = 1 << 20
 """The tensor targets' `max_bytes`: the receiver's declared limit, payload or decoded."""
 
+MAX_INPUT_BYTES = 64 << 10
+"""Longest input the fuzzer makes: past every seed (a stage's state is ~31 KB)."""
+PARSED_BYTES_PER_INPUT_BYTE = 64
+"""What a decoder may hold per byte of its input: protobuf's parsed form of a packed
+repeated field is 8 bytes per 1-byte element, and a stream's manifest is held a few times
+(parsed, copied for its digest, serialized again). The state and control targets' bound is
+this times MAX_INPUT_BYTES (4 MiB): their own limits (a ~31 KB state) are far smaller."""
+MESSAGE_BOUND = PARSED_BYTES_PER_INPUT_BYTE * MAX_INPUT_BYTES
+
 _LENGTH = struct.Struct("<H")
 FIX_SIZES = 1
 """Flags bit 0: recompute payload lengths, crc32 and sha256 after parsing."""
@@ -296,7 +305,7 @@ TARGETS: dict[str, Target] = {
             what="a stage's state stream into a joiner (FetchState), loaded into the stage",
             make=_stage("state_stream"),
             refusals=_refusals(),
-            memory_bound=4 << 20,
+            memory_bound=MESSAGE_BOUND,
             record_type=_each_record(_state_type),
         ),
         Target(
@@ -304,7 +313,7 @@ TARGETS: dict[str, Target] = {
             what="a checkpoint stream into the coordinator's store (PutCheckpoint), read back",
             make=_stage("checkpoint_stream"),
             refusals=_refusals(),
-            memory_bound=4 << 20,
+            memory_bound=MESSAGE_BOUND,
             record_type=_each_record(_state_type),
         ),
         Target(
@@ -312,7 +321,7 @@ TARGETS: dict[str, Target] = {
             what="a checkpoint file's bytes, restored into a stage",
             make=_stage("checkpoint_file"),
             refusals=_refusals(),
-            memory_bound=4 << 20,
+            memory_bound=MESSAGE_BOUND,
         ),
         Target(
             name="forward-request",
@@ -337,7 +346,7 @@ TARGETS: dict[str, Target] = {
             what="every RPC request and MQTT payload parsed, and link limits decoded",
             make=_control_messages,
             refusals=_refusals(),
-            memory_bound=4 << 20,
+            memory_bound=MESSAGE_BOUND,
             record_type=_control_record,
         ),
     ]
@@ -373,7 +382,7 @@ HARNESS_CHECKS: dict[str, Target] = {
         what=f"a target that {how}es, to check the harness",
         make=_misbehaving(how),
         refusals=_refusals(),
-        memory_bound=4 << 20,
+        memory_bound=MESSAGE_BOUND,
     )
     for how in ("crash", "hang", "memory")
 }

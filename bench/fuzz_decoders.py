@@ -29,8 +29,6 @@ MARK = "swarmpipe-fuzz:"
 START_MARGIN_S = 60.0
 """Wall-clock allowance over a target's fuzzing time for its start (imports, seeds) and end."""
 CORPUS_ROOT = Path(__file__).resolve().parent.parent / "tests" / "fuzz" / "corpus"
-MAX_LEN = 64 << 10
-"""Longest input libFuzzer makes: past every seed (a stage state is ~31 KB)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +80,7 @@ def fuzz_target(
     keep: Path | None = None,
 ) -> dict[str, Any]:
     """Fuzz one target for `runs` inputs (the seeds count) or `seconds`, in a subprocess."""
-    from swarmpipe.bench.decoder_targets import get_target
+    from swarmpipe.bench.decoder_targets import MAX_INPUT_BYTES, get_target
 
     get_target(target)  # ValueError names the targets
     with tempfile.TemporaryDirectory(prefix="swarmpipe-fuzz-") as tmp:
@@ -94,7 +92,7 @@ def fuzz_target(
         flags = [
             f"-seed={seed}",
             f"-timeout={timeout_s}",
-            f"-max_len={MAX_LEN}",
+            f"-max_len={MAX_INPUT_BYTES}",
             f"-artifact_prefix={scratch}/",
             "-print_final_stats=1",
         ]
