@@ -81,6 +81,9 @@ def main(argv: list[str]) -> None:
             if isinstance(exc, crash_types):
                 kind = "wrong-result"
             print(f"{MARK} {kind} {type(exc).__name__}: {str(exc)[:500]}", file=sys.stderr)
+            # Kept here too: libFuzzer writes its copy after atheris prints the traceback,
+            # and its periodic timeout alarm can end the process in between.
+            Path(counts_path).with_name("failing-input").write_bytes(data)
             raise
         else:
             tally[0 if decoded else 2] += 1

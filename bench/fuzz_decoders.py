@@ -89,6 +89,8 @@ def fuzz_target(
         grown.mkdir(parents=True, exist_ok=True)
         counts = scratch / "counts"
         counts.write_bytes(b"")
+        kept = scratch / "failing-input"
+        kept.unlink(missing_ok=True)  # a kept folder's last run's
         flags = [
             f"-seed={seed}",
             f"-timeout={timeout_s}",
@@ -124,6 +126,12 @@ def fuzz_target(
             output, _ = child.communicate()
             killed = True
         report = parse_output(output, child.returncode, counts.read_bytes())
+        if report["crash_input"] is None and kept.exists():
+            report["crash_input"] = str(kept)
+        if report["crash_input"] and keep is None:
+            # The folder goes with this call: the input itself goes in the report.
+            report["crash_input_hex"] = Path(report["crash_input"]).read_bytes()[:4096].hex()
+            report["crash_input"] = None
         report["target"] = target
         report["seconds"] = round(time.monotonic() - started, 1)
         if killed:
