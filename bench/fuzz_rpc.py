@@ -7,9 +7,11 @@ sends every method `--inputs` seeded inputs: random bytes and a valid request mu
 itself as a control, on a raw channel with a deadline per call. It prints JSON: per method
 the calls, the status codes seen (all, and for the inputs that do not parse), hangs and
 whether health answered SERVING after; per process whether it is alive, its peak memory
-(VmHWM) before and after, and what the fuzz added to its log (lines, tracebacks, lines per
-method). A message that does not parse should be INVALID_ARGUMENT and cost at most a line
-per method per 10 s. `--target 127.0.0.1:PORT` fuzzes a server already running instead.
+(VmHWM, restarted from the current RSS before the fuzz, so it is the fuzz's peak) beside the
+bound the servers' message limit gives (`memory_bound_bytes`), and what the fuzz added to its
+log (lines, tracebacks, lines per method). A message that does not parse should be
+INVALID_ARGUMENT and cost at most a line per method per 10 s. `--target 127.0.0.1:PORT`
+fuzzes a server already running instead.
 """
 
 from __future__ import annotations
@@ -65,6 +67,45 @@ def peak_memory_kib(pid: int) -> dict[str, int]:
     return fields
 
 
+def reset_peak_memory(pid: int) -> bool:
+    """Restart the process's VmHWM from its current RSS (Linux: "5" to clear_refs), so the
+    peak read after the fuzz is the fuzz's and not the start's; False where not allowed."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def memory_bound_bytes(in_flight: int) -> int:
+    """How much resident memory the fuzz's calls may add to a server, from its limits.
+
+    At most `in_flight` calls are open at once, and no message of one is over the servers'
+    MAX_MESSAGE_BYTES (transport/rpc.py). A message is held at most four times while its
+    call is open: grpc's buffer, the bytes our parser reads, the parsed message, and its
+    tensor chunk copied into the buffer TensorAssembler reserves (which is reserved at the
+    header's size, up to MAX_TENSOR_BYTES, but only resident as far as chunks fill it).
+    Each call holds at most one message at a time, since our servicers read them in turn."""
+    from swarmpipe.transport.rpc import MAX_MESSAGE_BYTES
+
+    return in_flight * 4 * MAX_MESSAGE_BYTES
+
+
+def _memory_report(pid: int, before: dict[str, int], reset: bool, in_flight: int) -> dict[str, Any]:
+    after = peak_memory_kib(pid)
+    bound_kib = memory_bound_bytes(in_flight) // 1024
+    # With the peak reset, VmHWM after is the fuzz's peak; without, it may be the start's.
+    growth_kib = after["VmHWM"] - (before["VmRSS"] if reset else before["VmHWM"])
+    return {
+        "peak_rss_kib": after["VmHWM"],
+        "rss_before_kib": before["VmRSS"],
+        "peak_reset_before_fuzz": reset,
+        "peak_growth_kib": max(0, growth_kib),
+        "growth_bound_kib": bound_kib,
+        "within_bound": growth_kib <= bound_kib,
+    }
+
+
 def _shape(line: str) -> str:
     """A log line without its time, quoted values and numbers, so lines alike count as one."""
     text = line.split(" ", 2)[-1]  # after the date and the time
@@ -93,6 +134,7 @@ async def fuzz_process(
     also its memory and what its log gained."""
     from swarmpipe.bench.rpc_fuzzer import fuzz_server
 
+    reset = reset_peak_memory(pid) if pid else False
     before = peak_memory_kib(pid) if pid else {}
     log_start = log_path.stat().st_size if log_path else 0
     results = await fuzz_server(target, **budget)
@@ -111,6 +153,8 @@ async def fuzz_process(
         report["alive"] = alive
         report["memory_kib_before"] = before
         report["memory_kib_after"] = peak_memory_kib(pid) if alive else {}
+        if alive:
+            report["memory"] = _memory_report(pid, before, reset, budget["in_flight"])
     if log_path:
         with open(log_path, errors="replace") as log:
             log.seek(log_start)
@@ -224,6 +268,15 @@ def serve(args: argparse.Namespace) -> int:
         "unknown_or_internal_for_unparsable": sum(
             s["unknown_or_internal_for_unparsable"] for s in servers.values()
         ),
+        "inputs_per_endpoint": {
+            f"{name}{path}": method["calls"]
+            for name, s in servers.items()
+            for path, method in s["methods"].items()
+        },
+        "peak_memory": {name: s["memory"] for name, s in servers.items() if "memory" in s},
+        "memory_bound": "growth of VmHWM over the RSS before the fuzz <= in_flight x 4 x "
+        "MAX_MESSAGE_BYTES (transport/rpc.py): each open call holds one message at most four "
+        "times (grpc's buffer, our bytes, parsed, copied into a tensor buffer)",
     }
     text = json.dumps(result, indent=2)
     print(text)

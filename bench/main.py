@@ -35,6 +35,8 @@ BENCHMARKS: dict[str, str] = {
     "coordinator rebalances, beside the throughput model's bound",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
+    "fuzz-decoders": "a coverage-guided fuzz (atheris) of every decoder: inputs, crashes, hangs, "
+    "peak memory against its bound",
 }
 """Benchmark name (a module of swarmpipe.bench, `-` spelled `_`) -> one line of what it measures."""
 

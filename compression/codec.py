@@ -36,6 +36,12 @@ DEFAULT_LOWRANK_RANK = 8
 MAX_DIMS = 64
 """Most dimensions a header may give; no model tensor comes near, so more is a bug or hostile."""
 
+MAX_EXTENT = (1 << 63) - 1
+"""Largest product of a header's dimensions, each counted as at least 1. A shape with a 0 in
+it holds no elements and passes every size limit, yet torch computes its strides from the
+other dimensions: [0, 2**62, 4] decoded to a RuntimeError ("Stride calculation overflowed")
+where a CodecError belongs, found by the decoder fuzz (bench/fuzz_decoders.py)."""
+
 DTYPES: dict[tensor_pb2.DType.ValueType, torch.dtype] = {
     tensor_pb2.DTYPE_FLOAT32: torch.float32,
     tensor_pb2.DTYPE_FLOAT16: torch.float16,
@@ -101,7 +107,10 @@ def numel(shape: Sequence[int]) -> int:
 
 
 def describe(header: tensor_pb2.TensorHeader) -> str:
-    """A header in user terms for error messages: `shape [8, 64], float32, lossless`."""
+    """A header in user terms for error messages: `shape [8, 64], float32, lossless`.
+
+    At most MAX_DIMS dimensions are shown: a hostile header's million dimensions would
+    otherwise make a message of megabytes, in the log and the call's status."""
     dtype = DTYPES.get(header.dtype)
     dtype_text = dtype_name(dtype) if dtype is not None else f"dtype enum {header.dtype}"
     try:
@@ -124,7 +133,9 @@ def describe(header: tensor_pb2.TensorHeader) -> str:
         codec_text += " + zstd"
     elif header.entropy != tensor_pb2.ENTROPY_NONE:
         codec_text += f" + entropy enum {header.entropy}"
-    return f"shape {list(header.shape)}, {dtype_text}, {codec_text}"
+    shape = list(header.shape[:MAX_DIMS])
+    shape_text = str(shape) if len(header.shape) <= MAX_DIMS else f"{str(shape)[:-1]}, ...]"
+    return f"shape {shape_text}, {dtype_text}, {codec_text}"
 
 
 class TensorCodec(abc.ABC):
@@ -348,6 +359,12 @@ class TensorCodec(abc.ABC):
             )
         if any(dim < 0 for dim in header.shape):
             raise CodecError(f"tensor header has a negative dimension ({describe(header)})")
+        # A shape with elements and this extent is over every size limit, refused there.
+        if not numel(header.shape) and math.prod(max(d, 1) for d in header.shape) > MAX_EXTENT:
+            raise CodecError(
+                "tensor header's shape holds no elements, but its other dimensions multiply "
+                f"past 2**63 - 1 ({describe(header)})"
+            )
         if self.blockwise and header.block_size < 1:
             raise CodecError(f"tensor header needs block_size >= 1 ({describe(header)})")
         if not self.blockwise and header.channel_blocks:

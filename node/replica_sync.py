@@ -52,6 +52,7 @@ import grpc
 import torch
 
 from swarmpipe.compression import EncoderState, decode_tensor
+from swarmpipe.compression.codec import describe
 from swarmpipe.config import codec_enum
 from swarmpipe.errors import PeerError
 from swarmpipe.node import fault_points, hostile
@@ -161,7 +162,8 @@ class ReplicaSync:
             elif kind == "tensor" and header is not None and reader is None:
                 want = [runtime.n_parameters]
                 if list(message.tensor.shape) != want:
-                    raise PeerError(f"tensor shape {list(message.tensor.shape)} is not {want}")
+                    # describe() shows at most 64 dimensions: a header can carry a million.
+                    raise PeerError(f"tensor of {describe(message.tensor)} is not of shape {want}")
                 reader = TensorReader(message.tensor, self.ctx.stats, runtime.device)
             elif kind == "chunk" and reader is not None:
                 reader.add(message.chunk.data)

@@ -275,3 +275,28 @@ def test_random_payload_with_a_valid_header_decodes_to_the_promised_tensor() -> 
         y = decode_tensor(header, payload)
         assert list(y.shape) == list(header.shape)
     assert refused
+
+
+@pytest.mark.parametrize("codec", sorted(c.name for c in CODECS.values()))
+@pytest.mark.parametrize("shape", [[0, 1 << 62, 4], [1 << 40, 1 << 40, 0], [0, (1 << 63) - 1, 2]])
+def test_an_empty_shape_whose_dimensions_overflow_is_a_codec_error(
+    codec: str, shape: list[int]
+) -> None:
+    # Found by the decoder fuzz: such a shape has no elements, so it passed every size limit,
+    # and torch raised RuntimeError ("Stride calculation overflowed") at the final view.
+    header, payload = encode_tensor(torch.zeros(0, 4), codec)
+    del header.shape[:]
+    header.shape.extend(shape)
+    if codec == "lowrank":
+        header.rank = 0
+    with pytest.raises(CodecError, match="multiply past"):
+        decode_tensor(header, payload)
+
+
+def test_a_header_with_a_million_dimensions_makes_a_short_message() -> None:
+    header = _header(
+        shape=[1] * 1_000_000, codec=tensor_pb2.CODEC_FP16, dtype=tensor_pb2.DTYPE_INT64
+    )
+    with pytest.raises(CodecError) as error:
+        check_header(header)
+    assert len(str(error.value)) < 1000

@@ -63,6 +63,8 @@ def test_every_rpc_answers_bytes_that_do_not_parse_with_invalid_argument(
             assert method["healthy_after"], (name, path)
         assert report["hangs"] == 0, report
         assert report["alive"], (name, log.read_text()[-3000:])
+        # The fuzz's peak resident memory stays within what the message limit allows.
+        assert report["memory"]["within_bound"], (name, report["memory"])
         assert report["log"]["tracebacks"] == 0, log.read_text()[-3000:]
         for path, lines in report["log"]["lines_per_method"].items():
             assert lines <= 1, (name, path, lines)
