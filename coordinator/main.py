@@ -59,6 +59,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep serving Status after the run is done (default: print a summary and exit)",
     )
+    tls = parser.add_argument_group("TLS (transport/tls.py)")
+    tls.add_argument(
+        "--tls",
+        action="store_true",
+        help="serve gRPC over TLS with the run CA (<state-dir>/ca.pem, made on first start); "
+        "nodes need that ca.pem as --ca-file",
+    )
+    tls.add_argument("--tls-ca-cert", default="", help="PEM CA certificate you bring (with --tls)")
+    tls.add_argument("--tls-ca-key", default="", help="its EC private key (PEM, unencrypted)")
+    tls.add_argument(
+        "--tls-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a DNS name or IP nodes dial, added to the coordinator's certificate (repeatable)",
+    )
+    tls.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving without TLS beyond loopback (prints a warning)",
+    )
     add_metrics_arguments(parser)
 
 
@@ -82,10 +103,20 @@ async def serve(args: argparse.Namespace) -> int:
     from swarmpipe.process.metrics import MetricsServer, serve_metrics
     from swarmpipe.process.ready import write_ready_file
     from swarmpipe.protos import coordinator_pb2
+    from swarmpipe.transport import tls
     from swarmpipe.transport.auth import AuthInterceptor
     from swarmpipe.transport.request_parsing import add_servicer
     from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
+    if bool(args.tls_ca_cert) != bool(args.tls_ca_key):
+        raise ConfigError("--tls-ca-cert and --tls-ca-key go together")
+    if args.tls_ca_cert and not args.tls:
+        raise ConfigError("--tls-ca-cert needs --tls")
+    if not args.tls:
+        listening = {"the gRPC API": args.listen}
+        if not args.broker:
+            listening["the embedded broker"] = args.broker_listen
+        tls.check_plaintext(listening, insecure=args.insecure, logger=logger)
     state_dir = Path(args.state_dir)
     resume_at = 0
     if args.resume:
@@ -121,15 +152,31 @@ async def serve(args: argparse.Namespace) -> int:
                 username=COORDINATOR_USER,
                 password=admission.key.mqtt_password(COORDINATOR_USER),
             )
+    ca: tls.RunCA | None = None
+    server_creds = None
+    ca_file = ""
+    if args.tls:
+        if args.tls_ca_cert:
+            ca = tls.RunCA.load(args.tls_ca_cert, args.tls_ca_key)
+            ca_file = str(Path(args.tls_ca_cert).resolve())
+        else:
+            ca = tls.RunCA.load_or_create(state_dir, config.run_id)
+            ca_file = str((state_dir / tls.CA_CERT_FILE).resolve())
+        server_key = tls.new_key()
+        names = [_split_hostport(args.listen)[0], *tls.local_names(), *args.tls_host]
+        server_creds = tls.server_credentials(
+            tls.key_pem(server_key), ca.issue_server(names, server_key)
+        )
+        logger.info("TLS with the run CA %s: nodes need --ca-file %s", ca.fingerprint, ca_file)
     service = CoordinatorService(
-        config, broker, state_dir, resume_at=resume_at, admission=admission
+        config, broker, state_dir, resume_at=resume_at, admission=admission, ca=ca
     )
     server = create_server(AuthInterceptor(admission.policy))
     add_servicer(server, service, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
     await enable_health_and_reflection(
         server, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
     )
-    port = bind(server, args.listen)
+    port = bind(server, args.listen, server_creds)
     metrics: MetricsServer | None = None
     if endpoint is not None:
         stages = config.pipeline.stages
@@ -162,6 +209,7 @@ async def serve(args: argparse.Namespace) -> int:
                     "broker_url": broker.url,
                     "pid": os.getpid(),
                     "metrics_port": metrics.port if metrics else None,
+                    "ca_file": ca_file,
                 },
             )
         stopper = asyncio.create_task(stop.wait())

@@ -22,6 +22,8 @@ from swarmpipe.errors import ConfigError, NotAdmitted
 from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
 from swarmpipe.transport.limits import MBIT, check_limit
 
+logger = logging.getLogger(__name__)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", required=True, help="host:port of the coordinator")
@@ -67,6 +69,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token", default="", help="the join token itself (visible in `ps`: prefer --token-file)"
     )
+    parser.add_argument(
+        "--ca-file",
+        default="",
+        metavar="PATH",
+        help="the run CA's certificate (the coordinator's <state-dir>/ca.pem): TLS to the "
+        "coordinator and mutual TLS with peers",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving without TLS beyond loopback (prints a warning)",
+    )
     add_metrics_arguments(parser)
 
 
@@ -101,6 +115,7 @@ async def serve(args: argparse.Namespace) -> int:
     from swarmpipe.control.link_control import ALL
     from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
     from swarmpipe.process.logs import set_log_identity
+    from swarmpipe.transport import tls
 
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
@@ -111,6 +126,14 @@ async def serve(args: argparse.Namespace) -> int:
     if args.node_id == ALL:
         raise ConfigError(f"--node-id {ALL!r} is reserved: it addresses every node of a run")
     token = join_token(args)
+    ca_pem = b""
+    if args.ca_file:
+        ca_pem = tls.read_ca_file(args.ca_file)
+        logger.info("TLS: trusting the run CA %s (%s)", tls.fingerprint(ca_pem), args.ca_file)
+    else:
+        tls.check_plaintext(
+            {"the Stage server": args.listen}, insecure=args.insecure, logger=logger
+        )
     set_torch_threads(args.threads)
     options = NodeOptions(
         coordinator=args.coordinator,
@@ -125,6 +148,7 @@ async def serve(args: argparse.Namespace) -> int:
         link_mbit=args.link_mbit,
         metrics=metrics,
         token=token,
+        ca_pem=ca_pem,
     )
     # Until it knows its stage (daemon.py adds it at Join), a node's lines carry its id.
     set_log_identity(f"node {options.node_id}", node=options.node_id)

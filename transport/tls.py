@@ -1,0 +1,497 @@
+"""TLS for a run: its CA, the certificates it issues, and the gRPC credentials built on them.
+
+The coordinator makes a **run CA** on first start (`<state-dir>/ca.pem` and `ca-key.pem`,
+mode 0600), or loads the one the organiser brings (`--tls-ca-cert/--tls-ca-key`). With it
+the coordinator signs, in memory at every start, its own server certificate (the name
+`swarmpipe-coordinator`, plus localhost, this host's names and `--tls-host` names or IPs, so
+`grpcurl -cacert ca.pem HOST:PORT` works too) and, at Join, a **node certificate**: the node
+sends only a public key; the coordinator picks the names, so a node cannot ask for another
+node's identity or the coordinator's. A node certificate's common name is the node id and
+its one DNS name is `swarmpipe-node`, the name every channel between nodes checks (with
+`ssl_target_name_override`, since peers are reached by IP). It lives `NODE_CERT_LIFETIME`.
+
+Nodes' Stage servers ask for a client certificate from the run CA (mutual TLS), and
+`CertificateBinding` lets a call in only when the credential's node id (transport/auth.py)
+is the common name of the certificate the caller presented: a stolen credential is of no
+use without that node's key. A node's server starts before Join (its port goes into the
+JoinRequest) with a throwaway self-signed certificate that no one trusts, and takes the
+issued one at the next handshake after Join (`grpc.dynamic_ssl_server_credentials`).
+
+Bootstrap: a node trusts the coordinator through the CA certificate it gets out of band
+(`--ca-file`, copied like an SSH host key; the coordinator logs its SHA-256 fingerprint and
+the node logs the one it was given, so the organiser can compare them by eye).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ipaddress
+import os
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from swarmpipe.errors import ConfigError
+from swarmpipe.transport.auth import OPEN_SERVICES, Refusal, caller_claim
+
+CA_CERT_FILE = "ca.pem"
+CA_KEY_FILE = "ca-key.pem"
+COORDINATOR_NAME = "swarmpipe-coordinator"
+"""The DNS name in the coordinator's certificate that nodes check."""
+NODE_NAME = "swarmpipe-node"
+"""The DNS name in every node certificate, checked on channels between nodes."""
+NODE_CERT_LIFETIME = datetime.timedelta(days=7)
+"""How long a node certificate is valid. Renewal is not built: a node that runs longer
+must restart (and Join again). Seven days covers the runs we make; shorter would need it."""
+CA_LIFETIME = datetime.timedelta(days=3650)
+_BACKDATE = datetime.timedelta(minutes=5)
+"""Certificates start a little in the past, so a volunteer's clock a few minutes behind
+the coordinator's does not refuse a certificate issued just now."""
+MAX_PUBLIC_KEY_BYTES = 4096
+
+
+class TLSError(ConfigError):
+    """A certificate or key is missing, malformed, expired, or for someone else; or plaintext
+    where TLS is needed. A ConfigError: the CLI prints one line and exits 2."""
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def new_key() -> ec.EllipticCurvePrivateKey:
+    """A fresh P-256 key (fast to make and to handshake with, and every TLS stack takes it)."""
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def public_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def fingerprint(cert_pem: bytes) -> str:
+    """`sha256:` and the hex SHA-256 of a certificate's DER form, as openssl prints it."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise TLSError(f"not a PEM certificate: {exc}") from exc
+    return "sha256:" + hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _san(names: Sequence[str]) -> x509.SubjectAlternativeName:
+    entries: list[x509.GeneralName] = []
+    for name in dict.fromkeys(names):
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            entries.append(x509.DNSName(name))
+    return x509.SubjectAlternativeName(entries)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+class RunCA:
+    """The run's certificate authority: signs the coordinator's and every node's certificate."""
+
+    def __init__(self, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        self.cert = cert
+        self._key = key
+        self.cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+        self.fingerprint = fingerprint(self.cert_pem)
+
+    @staticmethod
+    def create(run_id: str) -> RunCA:
+        key = new_key()
+        now = _now()
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(f"swarmpipe run CA {run_id}"[:64]))
+            .issuer_name(_name(f"swarmpipe run CA {run_id}"[:64]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _BACKDATE)
+            .not_valid_after(now + CA_LIFETIME)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(key, hashes.SHA256())
+        )
+        return RunCA(cert, key)
+
+    @staticmethod
+    def load(cert_path: str | Path, key_path: str | Path) -> RunCA:
+        """A CA the organiser brings (PEM certificate and its unencrypted EC key)."""
+        try:
+            cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+            key = serialization.load_pem_private_key(Path(key_path).read_bytes(), password=None)
+        except OSError as exc:
+            raise TLSError(f"cannot read the run CA: {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise TLSError(
+                f"{cert_path} / {key_path} is not a PEM certificate and key: {exc}"
+            ) from None
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise TLSError(f"{key_path}: the run CA's key must be an EC key (P-256)")
+        if cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        ) != key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        ):
+            raise TLSError(f"{key_path} is not the key of the certificate {cert_path}")
+        return RunCA(cert, key)
+
+    @staticmethod
+    def load_or_create(state_dir: str | Path, run_id: str) -> RunCA:
+        """The CA in `state_dir` (ca.pem, ca-key.pem), made there on first start."""
+        cert_path = Path(state_dir) / CA_CERT_FILE
+        key_path = Path(state_dir) / CA_KEY_FILE
+        if key_path.exists():
+            return RunCA.load(cert_path, key_path)
+        ca = RunCA.create(run_id)
+        key_path.parent.mkdir(parents=True, exist_ok=True)
+        _write_private(key_path, key_pem(ca._key))
+        cert_path.write_bytes(ca.cert_pem)
+        return ca
+
+    def _leaf(
+        self,
+        common_name: str,
+        *,
+        public_key: Any,
+        names: Sequence[str],
+        lifetime: datetime.timedelta,
+        usages: list[x509.ObjectIdentifier],
+        now: datetime.datetime | None,
+    ) -> bytes:
+        now = now or _now()
+        not_after = min(now + lifetime, self.cert.not_valid_after_utc)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(common_name))
+            .issuer_name(self.cert.subject)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _BACKDATE)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .add_extension(_san(names), critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        return cert.public_bytes(serialization.Encoding.PEM)
+
+    def issue_server(
+        self, hosts: Sequence[str], key: ec.EllipticCurvePrivateKey, *, now: Any = None
+    ) -> bytes:
+        """The coordinator's certificate for `key`: its fixed name, localhost and `hosts`."""
+        names = [COORDINATOR_NAME, "localhost", "127.0.0.1", "::1", *hosts]
+        return self._leaf(
+            COORDINATOR_NAME,
+            public_key=key.public_key(),
+            names=[n for n in names if n and n not in ("0.0.0.0", "::", "[::]")],
+            lifetime=CA_LIFETIME,
+            usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+            now=now,
+        )
+
+    def issue_node(
+        self,
+        node_id: str,
+        public_key_pem: bytes,
+        *,
+        lifetime: datetime.timedelta = NODE_CERT_LIFETIME,
+        now: datetime.datetime | None = None,
+    ) -> bytes:
+        """Node `node_id`'s certificate for the public key it sent at Join."""
+        if not node_id or node_id == COORDINATOR_NAME or len(node_id) > 64:
+            raise TLSError(f"node id {node_id!r} cannot be a certificate's name")
+        if len(public_key_pem) > MAX_PUBLIC_KEY_BYTES:
+            raise TLSError("the node's public key is too long")
+        try:
+            public_key = serialization.load_pem_public_key(public_key_pem)
+        except (ValueError, TypeError) as exc:
+            raise TLSError(f"the node's public key is not a PEM public key: {exc}") from None
+        if not isinstance(public_key, ec.EllipticCurvePublicKey):
+            raise TLSError("the node's public key must be an EC key")
+        return self._leaf(
+            node_id,
+            public_key=public_key,
+            names=[NODE_NAME],
+            lifetime=lifetime,
+            usages=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+            now=now,
+        )
+
+
+def check_node_cert(
+    ca_pem: bytes, cert_pem: bytes, node_id: str, *, now: datetime.datetime | None = None
+) -> x509.Certificate:
+    """The certificate, if the run CA signed it for `node_id` and it is valid `now`."""
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise TLSError(f"not a PEM certificate: {exc}") from None
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (InvalidSignature, ValueError, TypeError):
+        raise TLSError("the certificate was not issued by the run CA") from None
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if not names or names[0].value != node_id:
+        held = names[0].value if names else "nobody"
+        raise TLSError(f"the certificate is for {held!r}, not node {node_id!r}")
+    now = now or _now()
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise TLSError(
+            f"node {node_id!r}'s certificate is valid from {cert.not_valid_before_utc:%F %T} "
+            f"to {cert.not_valid_after_utc:%F %T} UTC, not now"
+        )
+    return cert
+
+
+def read_ca_file(path: str | Path) -> bytes:
+    """The PEM CA certificate in `path`, checked to be one."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise TLSError(f"--ca-file {path}: {exc.strerror}") from None
+    try:
+        cert = x509.load_pem_x509_certificate(data)
+    except ValueError:
+        raise TLSError(f"--ca-file {path} is not a PEM certificate") from None
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        constraints = None
+    if constraints is None or not constraints.ca:
+        raise TLSError(f"--ca-file {path} is not a CA certificate (use the run's ca.pem)")
+    return data
+
+
+def local_names() -> list[str]:
+    """This machine's host name and FQDN, for the coordinator's certificate."""
+    return [n for n in dict.fromkeys([socket.gethostname(), socket.getfqdn()]) if n]
+
+
+# -- gRPC credentials ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelTLS:
+    """How a client reaches a TLS server: the CA it trusts, its own certificate if any, and
+    the name the server's certificate must carry (peers are dialled by IP)."""
+
+    ca_pem: bytes
+    target_name: str
+    key_pem: bytes | None = None
+    cert_pem: bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca_pem, self.key_pem, self.cert_pem)
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.target_name)]
+
+
+def server_credentials(key: bytes, cert: bytes) -> grpc.ServerCredentials:
+    """TLS without client certificates: the coordinator (a joining node has none yet)."""
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+class NodeServerTLS:
+    """A node's mutual-TLS server credentials, issued at Join and taken at the next handshake.
+
+    Until `install`, the server holds a self-signed certificate and trusts only itself, so
+    every handshake fails; nobody may call a node before it joined anyway.
+    """
+
+    def __init__(self, node_id: str) -> None:
+        key = new_key()
+        now = _now()
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(f"{node_id} (not joined)"[:64]))
+            .issuer_name(_name(f"{node_id} (not joined)"[:64]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _BACKDATE)
+            .not_valid_after(now + NODE_CERT_LIFETIME)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(key, hashes.SHA256())
+            .public_bytes(serialization.Encoding.PEM)
+        )
+        self._initial = grpc.ssl_server_certificate_configuration(
+            [(key_pem(key), cert)], root_certificates=cert
+        )
+        self._pending: Any = None
+
+    def install(self, key: bytes, cert: bytes, ca_pem: bytes) -> None:
+        """Serve with the issued certificate, and ask callers for one from the run CA."""
+        self._pending = grpc.ssl_server_certificate_configuration(
+            [(key, cert)], root_certificates=ca_pem
+        )
+
+    def _fetch(self) -> Any:
+        # grpc calls this at each handshake; None keeps the configuration it has.
+        pending, self._pending = self._pending, None
+        return pending
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self._initial, self._fetch, require_client_authentication=True
+        )
+
+
+# -- binding a credential to the caller's certificate -----------------------
+
+
+def peer_common_name(context: grpc.aio.ServicerContext) -> str:
+    """The common name of the certificate the caller presented ("" when none)."""
+    values = context.auth_context().get("x509_common_name") or []
+    return values[0].decode() if values else ""
+
+
+class CertificateBinding(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # untyped in grpc
+    """Refuses a call whose credential names another node than the caller's certificate.
+
+    Installed after `AuthInterceptor`, which has already checked the credential; this one
+    checks at call time, when the TLS peer is known (the interceptor's call details do not
+    carry it)."""
+
+    def __init__(self, verifier: Callable[[], Any]) -> None:
+        self._verifier = verifier
+
+    def _refusal(self, context: grpc.aio.ServicerContext) -> Refusal | None:
+        claim = caller_claim(self._verifier(), context.invocation_metadata())
+        if isinstance(claim, Refusal):
+            return claim
+        held = peer_common_name(context)
+        if held != claim.node_id:
+            return Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the credential names {claim.node_id!r} but the TLS certificate is {held!r}'s",
+            )
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_SERVICES):
+            return handler
+        return _checked(handler, self._refusal)
+
+
+def _checked(
+    handler: grpc.RpcMethodHandler,
+    refusal: Callable[[grpc.aio.ServicerContext], Refusal | None],
+) -> grpc.RpcMethodHandler:
+    """`handler`, ending the call first when `refusal` gives a reason."""
+    kinds = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
+        (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
+        (True, False): (grpc.stream_unary_rpc_method_handler, handler.stream_unary),
+        (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream),
+    }
+    make, inner = kinds[(handler.request_streaming, handler.response_streaming)]
+
+    async def respond(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        why = refusal(context)
+        if why is not None:
+            await context.abort(why.code, why.message)
+        return await inner(request, context)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        why = refusal(context)
+        if why is not None:
+            await context.abort(why.code, why.message)
+        async for response in inner(request, context):
+            yield response
+
+    return make(
+        stream if handler.response_streaming else respond,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+# -- who may listen without TLS ------------------------------------------------
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def plaintext_exposure(listening: dict[str, str]) -> list[str]:
+    """The `what host:port` entries of `listening` (what -> host:port) beyond loopback."""
+    return [
+        f"{what} {address}"
+        for what, address in listening.items()
+        if not _is_loopback(address.rpartition(":")[0])
+    ]
+
+
+def check_plaintext(listening: dict[str, str], *, insecure: bool, logger: Any) -> None:
+    """Refuse to serve plaintext beyond loopback unless `--insecure`, then warn once.
+
+    Raises TLSError (one line) naming what listens where, and the two ways out."""
+    exposed = plaintext_exposure(listening)
+    if not exposed:
+        return
+    if not insecure:
+        raise TLSError(
+            f"{', '.join(exposed)} would serve without TLS beyond this machine: "
+            "give --tls (or listen on 127.0.0.1), or --insecure to do it anyway"
+        )
+    logger.warning(
+        "--insecure: %s serve(s) plaintext beyond this machine; anyone on the path can read "
+        "and replay credentials",
+        ", ".join(exposed),
+    )
