@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "beside hivemind's codecs when importable",
     "fuzz-rpc": "a raw-bytes fuzz of every RPC of a coordinator and a node: status codes, "
     "hangs, crashes, peak memory, log lines",
+    "tls": "a --tls testnet's samples/s beside plaintext's, and that both end identical",
 }
 """Benchmark name (a module of swarmpipe.bench, `-` spelled `_`) -> one line of what it measures."""
 

@@ -139,22 +139,10 @@ async def serve(args: argparse.Namespace) -> int:
     admission = Admission(
         state_dir, config.run_id, loopback_only=all(is_loopback(h) for h in hosts)
     )
-    embedded: EmbeddedBroker | None = None
-    if args.broker:
-        broker: BrokerAddress = parse_broker_url(args.broker)
-    else:
-        auth = admission.broker_auth()
-        embedded = EmbeddedBroker(*_split_hostport(args.broker_listen), auth=auth)
-        broker = await embedded.start()
-        if auth is not None:
-            broker = dataclasses.replace(
-                broker,
-                username=COORDINATOR_USER,
-                password=admission.key.mqtt_password(COORDINATOR_USER),
-            )
     ca: tls.RunCA | None = None
     server_creds = None
     ca_file = ""
+    tls_files: tuple[Path, Path] | None = None
     if args.tls:
         if args.tls_ca_cert:
             ca = tls.RunCA.load(args.tls_ca_cert, args.tls_ca_key)
@@ -164,10 +152,32 @@ async def serve(args: argparse.Namespace) -> int:
             ca_file = str((state_dir / tls.CA_CERT_FILE).resolve())
         server_key = tls.new_key()
         names = [_split_hostport(args.listen)[0], *tls.local_names(), *args.tls_host]
+        if not args.broker:
+            broker_names = [_split_hostport(args.broker_listen)[0], *names[1:]]
+            tls_files = tls.write_broker_files(ca, broker_names, state_dir)
         server_creds = tls.server_credentials(
             tls.key_pem(server_key), ca.issue_server(names, server_key)
         )
         logger.info("TLS with the run CA %s: nodes need --ca-file %s", ca.fingerprint, ca_file)
+    embedded: EmbeddedBroker | None = None
+    if args.broker:
+        broker: BrokerAddress = parse_broker_url(args.broker)
+    else:
+        auth = admission.broker_auth()
+        embedded = EmbeddedBroker(
+            *_split_hostport(args.broker_listen),
+            auth=auth,
+            tls_files=(str(tls_files[0]), str(tls_files[1])) if tls_files else None,
+        )
+        broker = await embedded.start()
+        if auth is not None:
+            broker = dataclasses.replace(
+                broker,
+                username=COORDINATOR_USER,
+                password=admission.key.mqtt_password(COORDINATOR_USER),
+            )
+    if ca is not None:
+        broker = dataclasses.replace(broker, ca_pem=ca.cert_pem)
     service = CoordinatorService(
         config, broker, state_dir, resume_at=resume_at, admission=admission, ca=ca
     )

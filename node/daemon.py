@@ -264,7 +264,9 @@ class NodeDaemon:
             ):
                 # The coordinator's embedded broker listens beside it; reach it
                 # at the coordinator's host rather than our own loopback.
-                broker = parse_broker_url(f"mqtt://{coord_host}:{broker.port}")
+                broker = replace(broker, host=coord_host)
+            if broker.tls and self.options.ca_pem:
+                broker = replace(broker, ca_pem=self.options.ca_pem)
             if not broker.username and reply.broker_username:
                 # The login the coordinator derived for us (its broker's ACL names us).
                 broker = replace(

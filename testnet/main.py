@@ -449,7 +449,10 @@ class Testnet:
 
     def _organiser_broker(self) -> BrokerAddress:
         """The run's broker with the organiser's login: only it may publish link limits."""
-        return link_control.organiser_login(parse_broker_url(self.broker_url), self.admin_token)
+        broker = parse_broker_url(self.broker_url)
+        if broker.tls and self.ca_file:
+            broker = dataclasses.replace(broker, ca_pem=Path(self.ca_file).read_bytes())
+        return link_control.organiser_login(broker, self.admin_token)
 
     async def _clear_link_controls(self) -> None:
         """Clear the retained LinkControl messages of this run: a later run with the same

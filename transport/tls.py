@@ -29,6 +29,7 @@ import hashlib
 import ipaddress
 import os
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,10 @@ CA_CERT_FILE = "ca.pem"
 CA_KEY_FILE = "ca-key.pem"
 COORDINATOR_NAME = "swarmpipe-coordinator"
 """The DNS name in the coordinator's certificate that nodes check."""
+BROKER_NAME = "swarmpipe-broker"
+"""The DNS name in the MQTT broker's certificate that MQTT clients check."""
+BROKER_CERT_FILE = "broker.pem"
+BROKER_KEY_FILE = "broker-key.pem"
 NODE_NAME = "swarmpipe-node"
 """The DNS name in every node certificate, checked on channels between nodes."""
 NODE_CERT_LIFETIME = datetime.timedelta(days=7)
@@ -220,12 +225,18 @@ class RunCA:
         return cert.public_bytes(serialization.Encoding.PEM)
 
     def issue_server(
-        self, hosts: Sequence[str], key: ec.EllipticCurvePrivateKey, *, now: Any = None
+        self,
+        hosts: Sequence[str],
+        key: ec.EllipticCurvePrivateKey,
+        *,
+        name: str = COORDINATOR_NAME,
+        now: Any = None,
     ) -> bytes:
-        """The coordinator's certificate for `key`: its fixed name, localhost and `hosts`."""
-        names = [COORDINATOR_NAME, "localhost", "127.0.0.1", "::1", *hosts]
+        """A server certificate for `key`: `name` (the coordinator's or the broker's fixed
+        name), localhost and `hosts`."""
+        names = [name, "localhost", "127.0.0.1", "::1", *hosts]
         return self._leaf(
-            COORDINATOR_NAME,
+            name,
             public_key=key.public_key(),
             names=[n for n in names if n and n not in ("0.0.0.0", "::", "[::]")],
             lifetime=CA_LIFETIME,
@@ -242,7 +253,7 @@ class RunCA:
         now: datetime.datetime | None = None,
     ) -> bytes:
         """Node `node_id`'s certificate for the public key it sent at Join."""
-        if not node_id or node_id == COORDINATOR_NAME or len(node_id) > 64:
+        if not node_id or node_id in (COORDINATOR_NAME, BROKER_NAME) or len(node_id) > 64:
             raise TLSError(f"node id {node_id!r} cannot be a certificate's name")
         if len(public_key_pem) > MAX_PUBLIC_KEY_BYTES:
             raise TLSError("the node's public key is too long")
@@ -310,6 +321,40 @@ def read_ca_file(path: str | Path) -> bytes:
 def local_names() -> list[str]:
     """This machine's host name and FQDN, for the coordinator's certificate."""
     return [n for n in dict.fromkeys([socket.gethostname(), socket.getfqdn()]) if n]
+
+
+def write_broker_files(ca: RunCA, hosts: Sequence[str], folder: str | Path) -> tuple[Path, Path]:
+    """An MQTT broker's certificate and key from the run CA, written (key 0600) into `folder`
+    for brokers that read files (amqtt, mosquitto); returns (certificate, key) paths."""
+    key = new_key()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = folder / BROKER_CERT_FILE, folder / BROKER_KEY_FILE
+    key_path.unlink(missing_ok=True)
+    _write_private(key_path, key_pem(key))
+    cert_path.write_bytes(ca.issue_server(hosts, key, name=BROKER_NAME) + ca.cert_pem)
+    return cert_path, key_path
+
+
+class _NamedContext(ssl.SSLContext):
+    """An SSL context that checks one fixed server name, whatever address was dialled (paho
+    passes the host it connects to; brokers are dialled by IP)."""
+
+    expected_name = BROKER_NAME
+
+    def wrap_socket(self, sock: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["server_hostname"] = self.expected_name
+        return super().wrap_socket(sock, *args, **kwargs)
+
+
+def mqtt_client_context(ca_pem: bytes) -> ssl.SSLContext:
+    """TLS for an MQTT client: the run CA and the broker's fixed name, or, without a CA,
+    the system's CAs and the dialled host name."""
+    if not ca_pem:
+        return ssl.create_default_context()
+    context = _NamedContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cadata=ca_pem.decode())
+    return context
 
 
 # -- gRPC credentials ----------------------------------------------------
