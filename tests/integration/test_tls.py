@@ -127,6 +127,16 @@ def test_grpcurl_needs_tls_and_a_node_needs_a_client_certificate_of_the_caller(
     # The same certificate passes the handshake: the health check answers over mutual TLS.
     done = _grpcurl(*with_cert, node, health)
     assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
+    # The organiser's commands reach a TLS coordinator with --ca-file, and say so without it.
+    status = [sys.executable, "-m", "swarmpipe", "status", "--json", "--coordinator",
+              coordinator, "--admin-token-file", str(state / "admin-token")]  # fmt: skip
+    done = subprocess.run(
+        [*status, "--ca-file", ca_file], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and json.loads(done.stdout)["run_id"] == RUN, done.stderr
+    done = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and "--ca-file" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
 
 
 async def test_the_tls_broker_refuses_plaintext_clients(procs: Procs, tiny: list[str]) -> None:
