@@ -7,6 +7,11 @@ also compares the two runs' losses (TLS must change nothing but the wire). Param
 are compared too, but they are equal only with one microbatch per step: a stage sums its
 microbatches' gradients in the order they arrive, which timing decides, plaintext or not
 (tests/integration/test_tls.py checks bit-identical parameters that way).
+
+On a shared machine samples/s swings by 2x from run to run, so it also reports each round's
+TLS/plaintext ratio (the two ran back to back) and the CPU seconds each testnet's processes
+used in all (children's rusage: start-up included, other users' load excluded), the figure
+that shows what TLS itself costs.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit("give --rounds >= 1 and --steps >= 2 (the first step is not timed)")
     config = load_config(None, args.set)
     runs: dict[str, list[float]] = {"plaintext": [], "tls": []}
+    cpu: dict[str, list[float]] = {"plaintext": [], "tls": []}
     identical: list[bool] = []
     loss_gap: list[float] = []
     sides: list[tuple[str, tuple[str, ...]]] = [("plaintext", ()), ("tls", ("--tls",))]
@@ -71,6 +77,13 @@ def serve(args: argparse.Namespace) -> int:
         "plaintext_samples_per_second": runs["plaintext"],
         "tls_samples_per_second": runs["tls"],
         "tls_over_plaintext": ratio,
+        "tls_over_plaintext_each_round": [
+            t / p if p else 0.0 for p, t in zip(runs["plaintext"], runs["tls"], strict=True)
+        ],
+        "plaintext_cpu_seconds": cpu["plaintext"],
+        "tls_cpu_seconds": cpu["tls"],
+        "tls_cpu_over_plaintext": statistics.median(cpu["tls"])
+        / statistics.median(cpu["plaintext"]),
         "within_10_percent": ratio >= TARGET_RATIO,
         "max_relative_loss_difference_each_round": loss_gap,
         "identical_parameters_each_round": identical,

@@ -112,11 +112,17 @@ async def serve(args: argparse.Namespace) -> int:
         raise ConfigError("--tls-ca-cert and --tls-ca-key go together")
     if args.tls_ca_cert and not args.tls:
         raise ConfigError("--tls-ca-cert needs --tls")
+    listening = {}
     if not args.tls:
-        listening = {"the gRPC API": args.listen}
+        listening["the gRPC API"] = args.listen
         if not args.broker:
             listening["the embedded broker"] = args.broker_listen
-        tls.check_plaintext(listening, insecure=args.insecure, logger=logger)
+    if args.broker:
+        external = parse_broker_url(args.broker)
+        if not external.tls:
+            # Not a listener, but the run's MQTT passwords cross the same open wire.
+            listening["the MQTT connection to"] = f"{external.host}:{external.port}"
+    tls.check_plaintext(listening, insecure=args.insecure, logger=logger)
     state_dir = Path(args.state_dir)
     resume_at = 0
     if args.resume:

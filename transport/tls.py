@@ -532,11 +532,11 @@ def check_plaintext(listening: dict[str, str], *, insecure: bool, logger: Any) -
         return
     if not insecure:
         raise TLSError(
-            f"{', '.join(exposed)} would serve without TLS beyond this machine: "
-            "give --tls (or listen on 127.0.0.1), or --insecure to do it anyway"
+            f"{', '.join(exposed)}: plaintext beyond this machine; use TLS (--tls, --ca-file, "
+            "an mqtts:// broker) or 127.0.0.1, or give --insecure to allow it"
         )
     logger.warning(
-        "--insecure: %s serve(s) plaintext beyond this machine; anyone on the path can read "
-        "and replay credentials",
+        "--insecure: %s: plaintext beyond this machine; anyone on the path can read and "
+        "replay credentials",
         ", ".join(exposed),
     )

@@ -167,6 +167,8 @@ def test_plaintext_beyond_loopback_refuses_to_start_without_insecure(procs: Proc
         ["coordinator", "--listen", "127.0.0.1:0", "--broker-listen", "0.0.0.0:0",
          "--state-dir", state],
         ["node", "--coordinator", "127.0.0.1:9", "--listen", "0.0.0.0:0"],
+        ["coordinator", "--listen", "127.0.0.1:0", "--broker", "mqtt://192.0.2.1:1883",
+         "--state-dir", state],
     ):  # fmt: skip
         done = subprocess.run(
             [sys.executable, "-m", "swarmpipe", *args], capture_output=True, text=True, timeout=60

@@ -84,7 +84,7 @@ def test_plaintext_beyond_loopback_needs_insecure_and_then_warns(
 ) -> None:
     log = logging.getLogger("test")
     tls.check_plaintext({"api": "127.0.0.1:0", "broker": "[::1]:1883"}, insecure=False, logger=log)
-    with pytest.raises(tls.TLSError, match=r"api 0\.0\.0\.0:7600 would serve without TLS"):
+    with pytest.raises(tls.TLSError, match=r"api 0\.0\.0\.0:7600: plaintext beyond this machine"):
         tls.check_plaintext({"api": "0.0.0.0:7600"}, insecure=False, logger=log)
     with caplog.at_level(logging.WARNING):
         tls.check_plaintext({"api": "10.0.0.1:7600"}, insecure=True, logger=log)
