@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,11 @@ def serve(args: argparse.Namespace) -> int:
     for round_ in range(args.rounds):
         reports = {}
         for name, flags in sides if round_ % 2 == 0 else sides[::-1]:
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             report = run_testnet(args.set, args.steps, args.nodes, args.threads, *flags, what=name)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+            cpu[name].append(used)
             runs[name].append(steady_samples_per_second(report))
             reports[name] = report
         identical.append(_digests(reports["plaintext"]) == _digests(reports["tls"]))

@@ -88,6 +88,24 @@ def _split_hostport(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _check_plaintext(args: argparse.Namespace) -> None:
+    """Refuse plaintext beyond loopback unless --insecure (transport/tls.py)."""
+    from swarmpipe.control.bus import parse_broker_url
+    from swarmpipe.transport.tls import check_plaintext
+
+    listening = {}
+    if not args.tls:
+        listening["the gRPC API"] = args.listen
+        if not args.broker:
+            listening["the embedded broker"] = args.broker_listen
+    if args.broker:
+        external = parse_broker_url(args.broker)
+        if not external.tls:
+            # Not a listener, but the run's MQTT passwords cross the same open wire.
+            listening["the MQTT connection to"] = f"{external.host}:{external.port}"
+    check_plaintext(listening, insecure=args.insecure, logger=logger)
+
+
 async def serve(args: argparse.Namespace) -> int:
     endpoint = metrics_endpoint(args)
     # Imported here, not above: grpc, the broker and the MQTT client take a while to
@@ -112,17 +130,6 @@ async def serve(args: argparse.Namespace) -> int:
         raise ConfigError("--tls-ca-cert and --tls-ca-key go together")
     if args.tls_ca_cert and not args.tls:
         raise ConfigError("--tls-ca-cert needs --tls")
-    listening = {}
-    if not args.tls:
-        listening["the gRPC API"] = args.listen
-        if not args.broker:
-            listening["the embedded broker"] = args.broker_listen
-    if args.broker:
-        external = parse_broker_url(args.broker)
-        if not external.tls:
-            # Not a listener, but the run's MQTT passwords cross the same open wire.
-            listening["the MQTT connection to"] = f"{external.host}:{external.port}"
-    tls.check_plaintext(listening, insecure=args.insecure, logger=logger)
     state_dir = Path(args.state_dir)
     resume_at = 0
     if args.resume:
@@ -138,6 +145,8 @@ async def serve(args: argparse.Namespace) -> int:
         )
     else:
         config = load_config(args.config, args.set)
+    _check_plaintext(args)
+    if not args.resume:
         run_state.start(state_dir, config)
     hosts = [_split_hostport(args.listen)[0]]
     if not args.broker:
