@@ -18,7 +18,7 @@ import os
 import signal
 from pathlib import Path
 
-from swarmpipe.errors import ConfigError, NotAdmitted
+from swarmpipe.errors import ConfigError, CoordinatorUnavailable, NotAdmitted
 from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
 from swarmpipe.transport.limits import MBIT, check_limit
 
@@ -156,7 +156,13 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, daemon.stop, "SIGTERM")
     loop.add_signal_handler(signal.SIGINT, daemon.stop, "SIGINT")
-    await daemon.run()
+    try:
+        await daemon.run()
+    except CoordinatorUnavailable as exc:
+        if args.ca_file:
+            raise
+        # A TLS coordinator looks, to a plaintext client, like one that never answers.
+        raise CoordinatorUnavailable(f"{exc} (with --tls it needs --ca-file)") from None
     if daemon.revoked:
         raise NotAdmitted("the organiser revoked this node's join token; it left the run")
     return 1 if daemon.failed else 0

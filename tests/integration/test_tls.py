@@ -127,6 +127,13 @@ def test_grpcurl_needs_tls_and_a_node_needs_a_client_certificate_of_the_caller(
     # The same certificate passes the handshake: the health check answers over mutual TLS.
     done = _grpcurl(*with_cert, node, health)
     assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
+    # A node without the CA cannot join, and says what it lacks in one line.
+    lost, _ = procs.start(
+        "lost", *procs._node_args("lost", coordinator), "--join-timeout", "3", ready=False, env=env
+    )
+    assert lost.wait(timeout=120) == 3
+    last = (procs.tmp / "lost.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("swarmpipe node: ") and "--ca-file" in last, last
     # The organiser's commands reach a TLS coordinator with --ca-file, and say so without it.
     status = [sys.executable, "-m", "swarmpipe", "status", "--json", "--coordinator",
               coordinator, "--admin-token-file", str(state / "admin-token")]  # fmt: skip
