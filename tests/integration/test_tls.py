@@ -192,3 +192,26 @@ def test_plaintext_beyond_loopback_refuses_to_start_without_insecure(procs: Proc
     log = (procs.tmp / "insecure.log").read_text()
     warnings = [line for line in log.splitlines() if "WARNING" in line and "--insecure" in line]
     assert len(warnings) == 1, log
+
+
+def test_a_ca_the_organiser_brings_signs_the_coordinator(procs: Procs) -> None:
+    brought = tls.RunCA.load_or_create(procs.tmp / "my-ca", "anything")
+    cert, key = procs.tmp / "my-ca" / tls.CA_CERT_FILE, procs.tmp / "my-ca" / tls.CA_KEY_FILE
+    state = procs.tmp / "state"
+    half = subprocess.run(
+        [sys.executable, "-m", "swarmpipe", "coordinator", "--listen", "127.0.0.1:0", "--tls",
+         "--tls-ca-cert", str(cert), "--state-dir", str(state)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert half.returncode == 2 and half.stderr.count("\n") == 1, half.stderr
+    assert "--tls-ca-key" in half.stderr
+    _, ready = procs.start(
+        "coordinator", "coordinator", "--listen", "127.0.0.1:0", "--tls", "--state-dir",
+        str(state), "--tls-ca-cert", str(cert), "--tls-ca-key", str(key), "--stay",
+    )  # fmt: skip
+    assert ready["ca_file"] == str(cert.resolve())
+    assert not (state / tls.CA_KEY_FILE).exists()  # no CA of its own
+    done = _grpcurl("-cacert", str(cert), "-servername", tls.COORDINATOR_NAME,
+                    f"127.0.0.1:{ready['grpc_port']}", "grpc.health.v1.Health/Check")  # fmt: skip
+    assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
+    assert brought.fingerprint in (procs.tmp / "coordinator.log").read_text()
