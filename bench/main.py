@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "hangs, crashes, peak memory, log lines",
     "fuzz-decoders": "a coverage-guided fuzz (atheris) of every decoder: inputs, crashes, hangs, "
     "peak memory against its bound",
+    "tls": "a --tls testnet's samples/s beside plaintext's, and that both end identical",
 }
 """Benchmark name (a module of swarmpipe.bench, `-` spelled `_`) -> one line of what it measures."""
 

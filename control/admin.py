@@ -52,6 +52,7 @@ coordinator that has not answered in this long is stuck or unreachable."""
 
 DEFAULT_WATCH_S = 2.0
 ADMIN_TOKEN_ENV = "SWARMPIPE_ADMIN_TOKEN_FILE"
+CA_FILE_ENV = "SWARMPIPE_CA_FILE"
 
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
@@ -67,16 +68,24 @@ def check_address(address: str) -> str:
 class CoordinatorConnection:
     """One channel to the coordinator's API, with its failures turned into our errors."""
 
-    def __init__(self, address: str, admin_token: str = "") -> None:
+    def __init__(self, address: str, admin_token: str = "", ca_pem: bytes = b"") -> None:
         import grpc
 
         from swarmpipe.protos import coordinator_pb2_grpc
         from swarmpipe.transport.auth import ADMIN_TOKEN_KEY
         from swarmpipe.transport.rpc import CHANNEL_OPTIONS
+        from swarmpipe.transport.tls import COORDINATOR_NAME, ChannelTLS
 
         self.address = check_address(address)
         self._metadata = ((ADMIN_TOKEN_KEY, admin_token),) if admin_token else None
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._tls = bool(ca_pem)
+        if ca_pem:
+            tls = ChannelTLS(ca_pem, COORDINATOR_NAME)
+            self._channel = grpc.secure_channel(
+                address, tls.credentials(), options=[*CHANNEL_OPTIONS, *tls.options()]
+            )
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub: coordinator_pb2_grpc.CoordinatorStub = coordinator_pb2_grpc.CoordinatorStub(
             self._channel
         )
@@ -90,9 +99,10 @@ class CoordinatorConnection:
         code = exc.code()
         details = " ".join(str(exc.details() or code.name).split())
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            hint = "" if self._tls else " (a coordinator started with --tls needs --ca-file)"
             return CoordinatorUnavailable(
                 f"no coordinator answers at {self.address} ({details}); is it running, and is "
-                "the address right?"
+                f"the address right?{hint}"
             )
         return SwarmpipeError(f"the coordinator at {self.address} refused {call}: {details}")
 
@@ -245,10 +255,24 @@ def _add_coordinator(parser: argparse.ArgumentParser) -> None:
         help=f"the coordinator's gRPC API (default {DEFAULT_COORDINATOR})",
     )
     add_admin_token_argument(parser)
+    parser.add_argument(
+        "--ca-file",
+        default=os.environ.get(CA_FILE_ENV, ""),
+        metavar="PATH",
+        help="the run CA (<state-dir>/ca.pem) of a coordinator started with --tls "
+        f"(default: ${CA_FILE_ENV})",
+    )
 
 
 def _connect(args: argparse.Namespace) -> CoordinatorConnection:
-    return CoordinatorConnection(args.coordinator, read_admin_token(args.admin_token_file))
+    ca_pem = b""
+    if args.ca_file:
+        from swarmpipe.transport.tls import read_ca_file
+
+        ca_pem = read_ca_file(args.ca_file)
+    return CoordinatorConnection(
+        args.coordinator, read_admin_token(args.admin_token_file), ca_pem=ca_pem
+    )
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,12 @@ names no user, and the password from the file named by `SWARMPIPE_BROKER_PASSWOR
 else from `SWARMPIPE_BROKER_PASSWORD` when the URL carries none. `BrokerAddress.url` never
 includes them, because the coordinator hands its URL to every node in JoinReply: each node
 brings its own credentials.
+
+`mqtts://host:port` (default port 8883) is MQTT over TLS. With the run CA in
+`BrokerAddress.ca_pem` (a `--tls` run: the embedded broker's certificate, or mosquitto's from
+`swarmpipe broker-config`), the client trusts only that CA and checks the name
+`swarmpipe-broker` whatever address it dialled, as gRPC does with `swarmpipe-coordinator`;
+without it, the system's CAs and the host name, as for any public broker.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import aiomqtt
 from swarmpipe.errors import ConfigError
 
 DEFAULT_PORT = 1883
+DEFAULT_TLS_PORT = 8883
 USERNAME_ENV = "SWARMPIPE_BROKER_USERNAME"
 PASSWORD_ENV = "SWARMPIPE_BROKER_PASSWORD"
 PASSWORD_FILE_ENV = "SWARMPIPE_BROKER_PASSWORD_FILE"
@@ -53,25 +60,30 @@ class BrokerAddress:
     port: int
     username: str = ""
     password: str = field(default="", repr=False)
+    tls: bool = False
+    """MQTT over TLS (`mqtts://`)."""
+    ca_pem: bytes = field(default=b"", repr=False)
+    """The run CA to trust for TLS (empty: the system's CAs)."""
 
     @property
     def url(self) -> str:
-        """`mqtt://host:port`, without credentials: safe to log and to send to nodes."""
-        return f"mqtt://{self.host}:{self.port}"
+        """`mqtt[s]://host:port`, without credentials: safe to log and to send to nodes."""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
 
 def parse_broker_url(url: str, environ: Mapping[str, str] | None = None) -> BrokerAddress:
-    """Parse `mqtt://[user[:password]@]host[:port]` (port defaults to 1883).
+    """Parse `mqtt[s]://[user[:password]@]host[:port]` (port defaults to 1883, 8883 for TLS).
 
     A user or password the URL leaves out is taken from `environ` (default: os.environ),
     as the module docstring says; userinfo may be percent-encoded (`%40` for `@`).
     """
     env = os.environ if environ is None else environ
     parts = urlsplit(url)
-    if parts.scheme != "mqtt" or not parts.hostname:
-        raise ConfigError(f"broker URL {url!r} must look like mqtt://host:port")
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        raise ConfigError(f"broker URL {url!r} must look like mqtt://host:port or mqtts://")
+    tls = parts.scheme == "mqtts"
     try:
-        port = parts.port or DEFAULT_PORT
+        port = parts.port or (DEFAULT_TLS_PORT if tls else DEFAULT_PORT)
     except ValueError as exc:
         raise ConfigError(f"broker URL {url!r} has an invalid port") from exc
     username = unquote(parts.username) if parts.username else env.get(USERNAME_ENV, "")
@@ -94,7 +106,9 @@ def parse_broker_url(url: str, environ: Mapping[str, str] | None = None) -> Brok
             f"a broker password is set but no user name: give mqtt://USER@{parts.hostname}:"
             f"{port} or set {USERNAME_ENV}"
         )
-    return BrokerAddress(host=parts.hostname, port=port, username=username, password=password)
+    return BrokerAddress(
+        host=parts.hostname, port=port, username=username, password=password, tls=tls
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +210,12 @@ def make_client(
     The keepalive bounds how long a silently vanished peer (pulled cable) stays
     "online": the broker fires its Last Will after 1.5 keepalive periods.
     """
+    tls_context = None
+    if broker.tls:
+        # Imported here: transport.tls imports grpc, which an MQTT-only command need not load.
+        from swarmpipe.transport.tls import mqtt_client_context
+
+        tls_context = mqtt_client_context(broker.ca_pem)
     return _Client(
         broker.host,
         broker.port,
@@ -205,4 +225,5 @@ def make_client(
         will=will,
         keepalive=keepalive,
         socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
+        tls_context=tls_context,
     )

@@ -224,7 +224,10 @@ async def publish(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--broker", required=True, help="mqtt://host:port of the run's broker")
+    parser.add_argument("--broker", required=True, help="mqtt[s]://host:port of the run's broker")
+    parser.add_argument(
+        "--ca-file", default="", help="the run CA (<state-dir>/ca.pem) for an mqtts:// broker"
+    )
     parser.add_argument("--run", required=True, help="the run's id (run_id in its config)")
     parser.add_argument("--node", required=True, help=f"the node to limit, or {ALL!r}")
     add_admin_token_argument(parser)
@@ -252,6 +255,10 @@ def organiser_login(broker: BrokerAddress, admin_token: str) -> BrokerAddress:
 
 async def serve(args: argparse.Namespace) -> int:
     broker = organiser_login(parse_broker_url(args.broker), read_admin_token(args.admin_token_file))
+    if args.ca_file:
+        from swarmpipe.transport.tls import read_ca_file
+
+        broker = dataclasses.replace(broker, ca_pem=read_ca_file(args.ca_file))
     if not args.run or any(c in args.run for c in "/#+ "):
         raise ConfigError(f"--run {args.run!r} must be a run id without '/', '#', '+'")
     named = args.mbit is not None or args.latency_ms is not None

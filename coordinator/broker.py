@@ -138,11 +138,17 @@ class EmbeddedBroker:
     """An amqtt broker bound to host:port (port 0 picks a free one)."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, auth: BrokerAuth | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        auth: BrokerAuth | None = None,
+        tls_files: tuple[str, str] | None = None,
     ) -> None:
         self._host = host
         self._port = port
         self._auth = auth
+        self._tls_files = tls_files
+        """(certificate, key) PEM files: serve MQTT over TLS only (transport/tls.py)."""
         self._broker: Broker | None = None
         self.address: BrokerAddress | None = None
 
@@ -157,10 +163,10 @@ class EmbeddedBroker:
                 },
                 f"{__name__}.RunTopicPlugin": {"run_id": self._auth.run_id},
             }
-        config = {
-            "listeners": {"default": {"type": "tcp", "bind": f"{self._host}:{self._port}"}},
-            "plugins": plugins,
-        }
+        listener: dict[str, Any] = {"type": "tcp", "bind": f"{self._host}:{self._port}"}
+        if self._tls_files is not None:
+            listener.update(ssl=True, certfile=self._tls_files[0], keyfile=self._tls_files[1])
+        config = {"listeners": {"default": listener}, "plugins": plugins}
         # amqtt logs each connection at INFO; keep the coordinator's log readable.
         logging.getLogger("amqtt").setLevel(logging.WARNING)
         logging.getLogger("transitions").setLevel(logging.WARNING)
@@ -179,7 +185,7 @@ class EmbeddedBroker:
             # amqtt exposes no public accessor for the bound port.
             server = broker._servers["default"].instance
             port = int(server.sockets[0].getsockname()[1])
-        self.address = BrokerAddress(host=self._host, port=port)
+        self.address = BrokerAddress(host=self._host, port=port, tls=self._tls_files is not None)
         logger.info("embedded MQTT broker listening on %s", self.address.url)
         return self.address
 

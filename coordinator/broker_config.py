@@ -13,6 +13,10 @@ Writes into --out:
 - `mosquitto.conf`: a listener with anonymous clients refused, pointing at both files.
 - `coordinator.password` (mode 0600): give it to the coordinator as
   `SWARMPIPE_BROKER_USERNAME=coordinator SWARMPIPE_BROKER_PASSWORD_FILE=...`.
+- with `--tls`: `ca.pem`, `broker.pem` and `broker-key.pem` (0600; mosquitto's user must be
+  able to read it), a certificate from the run CA (`<state-dir>/ca.pem`, made if the state
+  dir has none) named `swarmpipe-broker`, localhost and each `--tls-host`, and TLS lines on
+  the listener (default port 8883). Give the coordinator `--broker mqtts://HOST:8883 --tls`.
 
 Exit codes: 0 written, 2 a state dir with no run or a bad argument.
 """
@@ -45,7 +49,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="a node id to add a login for (repeatable); nodes that joined are added anyway",
     )
-    parser.add_argument("--listen-port", type=int, default=1883, help="mosquitto's port")
+    parser.add_argument(
+        "--listen-port", type=int, default=0, help="mosquitto's port (default 1883, TLS 8883)"
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="a TLS listener with a certificate from the run CA (transport/tls.py)",
+    )
+    parser.add_argument(
+        "--tls-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a DNS name or IP clients dial, added to the broker's certificate (repeatable)",
+    )
 
 
 def mosquitto_hash(password: str, salt: bytes | None = None) -> str:
@@ -80,11 +98,19 @@ def acl_text(run_id: str) -> str:
     )
 
 
-def conf_text(out: Path, port: int) -> str:
+def conf_text(out: Path, port: int, tls: bool = False) -> str:
+    folder = out.resolve()
+    tls_lines = [
+        "# TLS only, with a certificate from the run CA (clients check 'swarmpipe-broker')",
+        f"certfile {folder / 'broker.pem'}",
+        f"keyfile {folder / 'broker-key.pem'}",
+        f"cafile {folder / 'ca.pem'}",
+    ]
     return "\n".join(
         [
             "# mosquitto for one swarmpipe run: written by `swarmpipe broker-config`.",
             f"listener {port}",
+            *(tls_lines if tls else []),
             "allow_anonymous false",
             f"password_file {out.resolve() / 'passwd'}",
             f"acl_file {out.resolve() / 'acl'}",
@@ -137,10 +163,18 @@ def serve(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _write(out / "passwd", "".join(f"{u}:{mosquitto_hash(p)}\n" for u, p in users.items()), 0o600)
     _write(out / "acl", acl_text(run_id))
-    _write(out / "mosquitto.conf", conf_text(out, args.listen_port))
+    if args.tls:
+        from swarmpipe.transport.tls import RunCA, write_broker_files
+
+        ca = RunCA.load_or_create(state, run_id)
+        write_broker_files(ca, args.tls_host, out)
+        _write(out / "ca.pem", ca.cert_pem.decode())
+    port = args.listen_port or (8883 if args.tls else 1883)
+    _write(out / "mosquitto.conf", conf_text(out, port, tls=args.tls))
     _write(out / "coordinator.password", users[COORDINATOR_USER] + "\n", 0o600)
     print(
         f"wrote {out}/mosquitto.conf, passwd ({len(nodes)} node(s) and the coordinator and "
         f"organiser), acl and coordinator.password for run {run_id!r}"
+        + (", and broker.pem/broker-key.pem from the run CA" if args.tls else "")
     )
     return 0

@@ -27,6 +27,7 @@ from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpo
 if TYPE_CHECKING:
     from swarmpipe.coordinator.service import CoordinatorService
     from swarmpipe.coordinator.state_db import StateDB
+    from swarmpipe.transport.run_ca import RunCA
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep serving Status after the run is done (default: print a summary and exit)",
     )
+    tls = parser.add_argument_group("TLS (transport/tls.py)")
+    tls.add_argument(
+        "--tls",
+        action="store_true",
+        help="serve gRPC over TLS with the run CA (<state-dir>/ca.pem, made on first start); "
+        "nodes need that ca.pem as --ca-file",
+    )
+    tls.add_argument("--tls-ca-cert", default="", help="PEM CA certificate you bring (with --tls)")
+    tls.add_argument("--tls-ca-key", default="", help="its EC private key (PEM, unencrypted)")
+    tls.add_argument(
+        "--tls-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a DNS name or IP nodes dial, added to the coordinator's certificate (repeatable)",
+    )
+    tls.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving without TLS beyond loopback (prints a warning)",
+    )
     add_metrics_arguments(parser)
 
 
 def _split_hostport(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     return host, int(port)
+
+
+def _check_plaintext(args: argparse.Namespace) -> None:
+    """Refuse plaintext beyond loopback unless --insecure (transport/tls.py)."""
+    from swarmpipe.control.bus import parse_broker_url
+    from swarmpipe.transport.tls import check_plaintext
+
+    listening = {}
+    if not args.tls:
+        listening["the gRPC API"] = args.listen
+        if not args.broker:
+            listening["the embedded broker"] = args.broker_listen
+    if args.broker:
+        external = parse_broker_url(args.broker)
+        if not external.tls:
+            # Not a listener, but the run's MQTT passwords cross the same open wire.
+            listening["the MQTT connection to"] = f"{external.host}:{external.port}"
+    check_plaintext(listening, insecure=args.insecure, logger=logger)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -80,6 +120,14 @@ async def serve(args: argparse.Namespace) -> int:
     from swarmpipe.coordinator.admission import Admission, is_loopback
     from swarmpipe.coordinator.service import CoordinatorService
 
+    if bool(args.tls_ca_cert) != bool(args.tls_ca_key):
+        raise ConfigError("--tls-ca-cert and --tls-ca-key go together")
+    if args.tls_ca_cert and not args.tls:
+        raise ConfigError("--tls-ca-cert needs --tls")
+    if not args.resume:
+        load_config(args.config, args.set)  # a bad key is named before plaintext is refused
+    # Before the state folder is touched: a refused start leaves nothing behind.
+    _check_plaintext(args)
     state_dir = Path(args.state_dir)
     config, resume_at, db = open_state(args, state_dir)
     try:
@@ -97,6 +145,7 @@ async def serve(args: argparse.Namespace) -> int:
             resume_at=resume_at,
             admission=admission,
             state_db=db,
+            ca=_run_ca(args, state_dir, config.run_id),
         )
         live = service.restore()
         grpc_port, broker_port = db.ports() if live else (0, 0)
@@ -109,6 +158,27 @@ async def serve(args: argparse.Namespace) -> int:
         return await _serve(args, service, endpoint, listen, broker_listen)
     finally:
         db.close()
+
+
+def _run_ca(args: argparse.Namespace, state_dir: Path, run_id: str) -> RunCA | None:
+    """The run CA with --tls: the organiser's (--tls-ca-cert/--tls-ca-key), or the one this
+    coordinator made in its state folder on first start; None without --tls."""
+    if not args.tls:
+        return None
+    from swarmpipe.transport import tls
+
+    if args.tls_ca_cert:
+        return tls.RunCA.load(args.tls_ca_cert, args.tls_ca_key)
+    return tls.RunCA.load_or_create(state_dir, run_id)
+
+
+def _ca_file(args: argparse.Namespace) -> str:
+    """The CA certificate nodes need as --ca-file."""
+    from swarmpipe.transport import tls
+
+    if args.tls_ca_cert:
+        return str(Path(args.tls_ca_cert).resolve())
+    return str((Path(args.state_dir) / tls.CA_CERT_FILE).resolve())
 
 
 def open_state(args: argparse.Namespace, state_dir: Path) -> tuple[RunConfig, int, StateDB]:
@@ -195,18 +265,38 @@ async def _serve(
     from swarmpipe.process.metrics import MetricsServer, serve_metrics
     from swarmpipe.process.ready import write_ready_file
     from swarmpipe.protos import coordinator_pb2
+    from swarmpipe.transport import tls
     from swarmpipe.transport.auth import AuthInterceptor
     from swarmpipe.transport.request_parsing import add_servicer
     from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
     config = service.config
     admission = service.admission
+    ca = service.ca
+    server_creds = None
+    tls_files: tuple[Path, Path] | None = None
+    if ca is not None:
+        server_key = tls.new_key()
+        names = [_split_hostport(listen)[0], *tls.local_names(), *args.tls_host]
+        if not args.broker:
+            broker_names = [_split_hostport(broker_listen)[0], *names[1:]]
+            tls_files = tls.write_broker_files(ca, broker_names, service.state_dir)
+        server_creds = tls.server_credentials(
+            tls.key_pem(server_key), ca.issue_server(names, server_key)
+        )
+        logger.info(
+            "TLS with the run CA %s: nodes need --ca-file %s", ca.fingerprint, _ca_file(args)
+        )
     embedded: EmbeddedBroker | None = None
     if args.broker:
         broker: BrokerAddress = parse_broker_url(args.broker)
     else:
         auth = admission.broker_auth()
-        embedded = EmbeddedBroker(*_split_hostport(broker_listen), auth=auth)
+        embedded = EmbeddedBroker(
+            *_split_hostport(broker_listen),
+            auth=auth,
+            tls_files=(str(tls_files[0]), str(tls_files[1])) if tls_files else None,
+        )
         broker = await embedded.start()
         if auth is not None:
             broker = dataclasses.replace(
@@ -214,13 +304,15 @@ async def _serve(
                 username=COORDINATOR_USER,
                 password=admission.key.mqtt_password(COORDINATOR_USER),
             )
+    if ca is not None:
+        broker = dataclasses.replace(broker, ca_pem=ca.cert_pem)
     service.broker = broker
     server = create_server(AuthInterceptor(admission.policy))
     add_servicer(server, service, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
     await enable_health_and_reflection(
         server, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
     )
-    port = bind(server, listen)
+    port = bind(server, listen, server_creds)
     assert service.db is not None
     service.db.set_ports(port, 0 if args.broker else broker.port)
     metrics: MetricsServer | None = None
@@ -257,6 +349,7 @@ async def _serve(
                     "broker_url": broker.url,
                     "pid": os.getpid(),
                     "metrics_port": metrics.port if metrics else None,
+                    "ca_file": _ca_file(args) if ca is not None else "",
                 },
             )
         stopper = asyncio.create_task(stop.wait())

@@ -39,6 +39,7 @@ from swarmpipe.errors import PeerError, SwarmpipeError
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc, state_pb2
 from swarmpipe.storage.checkpoints import CheckpointStore, CheckpointWriter, state_messages
 from swarmpipe.transport.request_parsing import BAD_REQUESTS
+from swarmpipe.transport.tls import RunCA, TLSError
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         resume_at: int = 0,
         admission: Admission | None = None,
         state_db: StateDB | None = None,
+        ca: RunCA | None = None,
     ) -> None:
         self.config = config
+        self.ca = ca
+        """The run CA that signs each joiner's certificate (transport/tls.py); None: no TLS."""
         self.state_dir = Path(state_dir)
         self.admission = admission or Admission(self.state_dir, config.run_id, loopback_only=True)
         """Join tokens, credentials, the organiser's token (coordinator/admission.py)."""
@@ -447,6 +451,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except TokenError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
             raise  # unreachable: abort raises
+        tls_cert = b""
+        if self.ca is not None:
+            if not request.tls_public_key:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this run uses TLS: the node must send a public key for its certificate",
+                )
+            try:
+                tls_cert = self.ca.issue_node(request.node_id, request.tls_public_key)
+            except TLSError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # The joiner serves only once it holds its stage's current state (Ready).
         member = self.membership.assign(request.node_id, request.address)
         self.joins += 1
@@ -470,6 +485,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             verify_key=self.admission.key.public_bytes,
             broker_username=request.node_id,
             broker_password=self.admission.key.mqtt_password(request.node_id),
+            tls_certificate=tls_cert,
+            tls_ca_certificate=self.ca.cert_pem if self.ca is not None else b"",
         )
 
     async def _check_caller(self, node_id: str, context: grpc.aio.ServicerContext) -> None:

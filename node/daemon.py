@@ -59,6 +59,7 @@ from swarmpipe.process.logs import set_log_identity
 from swarmpipe.process.metrics import MetricsServer, serve_metrics
 from swarmpipe.process.ready import write_ready_file
 from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2
+from swarmpipe.transport import tls
 from swarmpipe.transport.auth import CREDENTIAL_KEY, AuthInterceptor, CredentialHolder, Verifier
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.request_parsing import add_servicer
@@ -115,6 +116,9 @@ class NodeOptions:
     """The join token the organiser gave (empty: an open loopback run needs none)."""
     device: str = ""
     """Where the stage trains (node/device.py); empty: the run's train.device."""
+    ca_pem: bytes = field(default=b"", repr=False)
+    """The run CA's certificate (--ca-file): TLS to the coordinator, mutual TLS with peers.
+    Empty: plaintext."""
 
 
 def _route_host(target_host: str) -> str:
@@ -159,7 +163,13 @@ class NodeDaemon:
         self.revoked = False
         """The organiser revoked this node's join token (node/main.py exits 4)."""
         self.router = Router(self.node_id, self.stats, self.links, credential=self.credential)
-        self._channel = open_channel(options.coordinator, self.credential)
+        self._tls_key = tls.new_key() if options.ca_pem else None
+        """This node's TLS key; the coordinator signs its public half at Join."""
+        self._server_tls = tls.NodeServerTLS(self.node_id) if options.ca_pem else None
+        coordinator_tls = (
+            tls.ChannelTLS(options.ca_pem, tls.COORDINATOR_NAME) if options.ca_pem else None
+        )
+        self._channel = open_channel(options.coordinator, self.credential, coordinator_tls)
         self.device = torch.device("cpu")
         """The stage's device, resolved at Join and kept across moves."""
         self.coordinator = CoordinatorClient(self._channel, options.coordinator)
@@ -223,12 +233,16 @@ class NodeDaemon:
     async def run(self) -> str:
         """Run until done, drained or stopped; returns why it stopped."""
         metrics = self._serve_metrics()
-        server = create_server(AuthInterceptor(self.peer_admission.policy))
+        binding = []
+        if self._server_tls is not None:
+            binding = [tls.CertificateBinding(lambda: self.peer_admission.verifier)]
+        server = create_server(AuthInterceptor(self.peer_admission.policy), *binding)
         add_servicer(server, self.servicer, stage_pb2.DESCRIPTOR.services_by_name["Stage"])
         await enable_health_and_reflection(
             server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name]
         )
-        port = bind(server, self.options.listen)
+        server_creds = self._server_tls.credentials() if self._server_tls is not None else None
+        port = bind(server, self.options.listen, server_creds)
         await server.start()
         try:
             coord_host = self.options.coordinator.rpartition(":")[0].strip("[]")
@@ -237,12 +251,16 @@ class NodeDaemon:
                 host = _route_host(coord_host)
             reply = await self.coordinator.join(
                 coordinator_pb2.JoinRequest(
-                    node_id=self.node_id, address=f"{host}:{port}", version=__version__
+                    node_id=self.node_id,
+                    address=f"{host}:{port}",
+                    version=__version__,
+                    tls_public_key=tls.public_pem(self._tls_key) if self._tls_key else b"",
                 ),
                 timeout_s=self.options.join_timeout_s,
                 token=self.options.token,
             )
             joined_at = time.time()
+            self._take_certificate(reply)
             self.credential.set(CREDENTIAL_KEY, reply.credential)
             self.peer_admission.verifier = Verifier(reply.verify_key, reply.run_id)
             self.peer_admission.stage = reply.stage
@@ -294,7 +312,9 @@ class NodeDaemon:
             ):
                 # The coordinator's embedded broker listens beside it; reach it
                 # at the coordinator's host rather than our own loopback.
-                broker = parse_broker_url(f"mqtt://{coord_host}:{broker.port}")
+                broker = replace(broker, host=coord_host)
+            if broker.tls and self.options.ca_pem:
+                broker = replace(broker, ca_pem=self.options.ca_pem)
             if not broker.username and reply.broker_username:
                 # The login the coordinator derived for us (its broker's ACL names us).
                 broker = replace(
@@ -358,6 +378,19 @@ class NodeDaemon:
             if metrics is not None:
                 metrics.close()
         return self.status.stop_reason
+
+    def _take_certificate(self, reply: coordinator_pb2.JoinReply) -> None:
+        """Serve and call peers with the certificate Join issued (mutual TLS), once checked."""
+        if self._tls_key is None or self._server_tls is None:
+            return
+        ca_pem = self.options.ca_pem
+        if not reply.tls_certificate:
+            raise tls.TLSError("the coordinator issued no TLS certificate: it runs without --tls")
+        # Our CA, not the reply's: the coordinator proved it holds it in the handshake.
+        tls.check_node_cert(ca_pem, reply.tls_certificate, self.node_id)
+        key = tls.key_pem(self._tls_key)
+        self._server_tls.install(key, reply.tls_certificate, ca_pem)
+        self.router.tls = tls.ChannelTLS(ca_pem, tls.NODE_NAME, key, reply.tls_certificate)
 
     def _serve_metrics(self) -> MetricsServer | None:
         """Start the Prometheus endpoint, if asked for; it reads the parts at each scrape."""

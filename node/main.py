@@ -18,9 +18,11 @@ import os
 import signal
 from pathlib import Path
 
-from swarmpipe.errors import ConfigError, NotAdmitted
+from swarmpipe.errors import ConfigError, CoordinatorUnavailable, NotAdmitted
 from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
 from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +83,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="delay what this node sends to each peer by this many ms one way (0: none); "
         "overrides the run's pipeline.link_latency_ms",
     )
+    parser.add_argument(
+        "--ca-file",
+        default="",
+        metavar="PATH",
+        help="the run CA's certificate (the coordinator's <state-dir>/ca.pem): TLS to the "
+        "coordinator and mutual TLS with peers",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving without TLS beyond loopback (prints a warning)",
+    )
     add_metrics_arguments(parser)
 
 
@@ -115,6 +129,7 @@ async def serve(args: argparse.Namespace) -> int:
     from swarmpipe.control.link_control import ALL
     from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
     from swarmpipe.process.logs import set_log_identity
+    from swarmpipe.transport import tls
 
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
@@ -133,6 +148,14 @@ async def serve(args: argparse.Namespace) -> int:
 
         resolve_device(args.device)
     token = join_token(args)
+    ca_pem = b""
+    if args.ca_file:
+        ca_pem = tls.read_ca_file(args.ca_file)
+        logger.info("TLS: trusting the run CA %s (%s)", tls.fingerprint(ca_pem), args.ca_file)
+    else:
+        tls.check_plaintext(
+            {"the Stage server": args.listen}, insecure=args.insecure, logger=logger
+        )
     set_torch_threads(args.threads)
     options = NodeOptions(
         coordinator=args.coordinator,
@@ -149,6 +172,7 @@ async def serve(args: argparse.Namespace) -> int:
         metrics=metrics,
         token=token,
         device=args.device,
+        ca_pem=ca_pem,
     )
     # Until it knows its stage (daemon.py adds it at Join), a node's lines carry its id.
     set_log_identity(f"node {options.node_id}", node=options.node_id)
@@ -156,7 +180,13 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, daemon.stop, "SIGTERM")
     loop.add_signal_handler(signal.SIGINT, daemon.stop, "SIGINT")
-    await daemon.run()
+    try:
+        await daemon.run()
+    except CoordinatorUnavailable as exc:
+        if args.ca_file:
+            raise
+        # A TLS coordinator looks, to a plaintext client, like one that never answers.
+        raise CoordinatorUnavailable(f"{exc} (with --tls it needs --ca-file)") from None
     if daemon.revoked:
         raise NotAdmitted("the organiser revoked this node's join token; it left the run")
     return 1 if daemon.failed else 0

@@ -37,6 +37,7 @@ from swarmpipe.node.transport import LinkStats, TensorReader, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from swarmpipe.transport.auth import CredentialHolder
 from swarmpipe.transport.rpc import open_channel
+from swarmpipe.transport.tls import ChannelTLS
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class Router:
         self.node_id = node_id
         self.credential = credential
         """What every call to a peer carries (the node's credential, once it joined)."""
+        self.tls: ChannelTLS | None = None
+        """Mutual TLS to peers (the node's certificate from Join); None: plaintext."""
         self.stats = stats
         self.links = links
         self.decode_device: torch.device | None = None
@@ -152,7 +155,7 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = open_channel(address, self.credential)
+            channel = open_channel(address, self.credential, self.tls)
             self._channels[address] = channel
         return channel
 

@@ -27,21 +27,25 @@ class JoinRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    TLS_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     address: _builtins.str
     """host:port of the node's Stage service"""
     version: _builtins.str
     """swarmpipe version of the node"""
+    tls_public_key: _builtins.bytes
+    """TLS (transport/tls.py): the node's PEM public key, for the certificate Join issues."""
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         address: _builtins.str = ...,
         version: _builtins.str = ...,
+        tls_public_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "node_id", b"node_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "node_id", b"node_id", "tls_public_key", b"tls_public_key", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -59,6 +63,8 @@ class JoinReply(_message.Message):
     VERIFY_KEY_FIELD_NUMBER: _builtins.int
     BROKER_USERNAME_FIELD_NUMBER: _builtins.int
     BROKER_PASSWORD_FIELD_NUMBER: _builtins.int
+    TLS_CERTIFICATE_FIELD_NUMBER: _builtins.int
+    TLS_CA_CERTIFICATE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     run_config_json: _builtins.str
     """the run spec, loaded with swarmpipe.config"""
@@ -73,6 +79,9 @@ class JoinReply(_message.Message):
     verify_key: _builtins.bytes
     broker_username: _builtins.str
     broker_password: _builtins.str
+    tls_certificate: _builtins.bytes
+    """TLS: the node's certificate (PEM, common name = node id) and the run CA's."""
+    tls_ca_certificate: _builtins.bytes
     def __init__(
         self,
         *,
@@ -84,10 +93,12 @@ class JoinReply(_message.Message):
         verify_key: _builtins.bytes = ...,
         broker_username: _builtins.str = ...,
         broker_password: _builtins.str = ...,
+        tls_certificate: _builtins.bytes = ...,
+        tls_ca_certificate: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker_password", b"broker_password", "broker_url", b"broker_url", "broker_username", b"broker_username", "credential", b"credential", "run_config_json", b"run_config_json", "run_id", b"run_id", "stage", b"stage", "verify_key", b"verify_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker_password", b"broker_password", "broker_url", b"broker_url", "broker_username", b"broker_username", "credential", b"credential", "run_config_json", b"run_config_json", "run_id", b"run_id", "stage", b"stage", "tls_ca_certificate", b"tls_ca_certificate", "tls_certificate", b"tls_certificate", "verify_key", b"verify_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

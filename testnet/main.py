@@ -51,6 +51,7 @@ from swarmpipe.testnet.time_breakdown import time_breakdown
 from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CredentialHolder
 from swarmpipe.transport.limits import MBIT
 from swarmpipe.transport.rpc import open_channel
+from swarmpipe.transport.tls import COORDINATOR_NAME, ChannelTLS
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         metavar="auto|cpu|cuda|cuda:N",
         help="every node's --device (several nodes may share one GPU); default: train.device",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="run over TLS: the coordinator makes the run CA and issues every node's "
+        "certificate at Join (mutual TLS between nodes)",
     )
     parser.add_argument(
         "--link-mbit",
@@ -234,6 +241,8 @@ class Testnet:
         """What every node gets in its environment: the join token the testnet made."""
         self.credential = CredentialHolder()
         """What the testnet's own calls to the coordinator carry: the organiser's token."""
+        self.ca_file = ""
+        """With --tls: the run CA the coordinator made, which nodes get as --ca-file."""
 
     def _node_args(self, name: str) -> list[str]:
         node_args = [
@@ -256,6 +265,8 @@ class Testnet:
         profile = self.profiles.get(name)
         if profile is not None:
             node_args += profile.node_args()
+        if self.ca_file:
+            node_args += ["--ca-file", self.ca_file]
         return node_args
 
     def _start_children(self) -> str:
@@ -274,9 +285,12 @@ class Testnet:
             coord_args += ["--set", item]
         if self.args.broker:
             coord_args += ["--broker", self.args.broker]
+        if self.args.tls:
+            coord_args.append("--tls")
         self.coord_args = coord_args
         coordinator = self.group.start(COORDINATOR, coord_args)
         ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
+        self.ca_file = ready.get("ca_file") or ""
         self.target = f"127.0.0.1:{ready['grpc_port']}"
         admin_token = load_or_create_admin_token(state_dir)
         self.credential.set(ADMIN_TOKEN_KEY, admin_token)
@@ -290,7 +304,11 @@ class Testnet:
         started = time.time()
         t0 = time.monotonic()
         target = await asyncio.to_thread(self._start_children)
-        channel = open_channel(target, self.credential)
+        channel = open_channel(
+            target,
+            self.credential,
+            ChannelTLS(Path(self.ca_file).read_bytes(), COORDINATOR_NAME) if self.ca_file else None,
+        )
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
             if sys.stdout.isatty() and not self.args.quiet:
@@ -503,7 +521,10 @@ class Testnet:
 
     def _organiser_broker(self) -> BrokerAddress:
         """The run's broker with the organiser's login: only it may publish link limits."""
-        return link_control.organiser_login(parse_broker_url(self.broker_url), self.admin_token)
+        broker = parse_broker_url(self.broker_url)
+        if broker.tls and self.ca_file:
+            broker = dataclasses.replace(broker, ca_pem=Path(self.ca_file).read_bytes())
+        return link_control.organiser_login(broker, self.admin_token)
 
     async def _clear_link_controls(self) -> None:
         """Clear the retained LinkControl messages of this run: a later run with the same

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from swarmpipe.transport.auth import AuthInterceptor, CredentialHolder
 from swarmpipe.transport.request_parsing import add_servicer
+from swarmpipe.transport.tls import ChannelTLS
 
 # Tensors travel as 1 MiB chunks, so no message comes near these limits; they
 # are raised a little above gRPC's 4 MiB default only to leave room for headers.
@@ -38,9 +39,13 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def create_server(auth: AuthInterceptor | None = None) -> grpc.aio.Server:
-    """A server with the project's options; `auth` checks every caller but the open services."""
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[auth] if auth else None)
+def create_server(
+    auth: AuthInterceptor | None = None, *more: grpc.aio.ServerInterceptor
+) -> grpc.aio.Server:
+    """A server with the project's options; `auth` checks every caller but the open services,
+    then `more` (transport/tls.py's certificate binding) in turn."""
+    interceptors = [i for i in (auth, *more) if i is not None]
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
 
 
 async def enable_health_and_reflection(
@@ -62,19 +67,31 @@ async def enable_health_and_reflection(
     return servicer
 
 
-def bind(server: grpc.aio.Server, listen: str) -> int:
-    """Bind host:port (port 0 picks a free one) and return the bound port."""
-    port = server.add_insecure_port(listen)
+def bind(
+    server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Bind host:port (port 0 picks a free one), with TLS when `credentials` are given, and
+    return the bound port."""
+    if credentials is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {listen}: the address is in use or invalid")
     return int(port)
 
 
-def open_channel(target: str, credential: CredentialHolder | None = None) -> grpc.aio.Channel:
-    """A channel to `target` with the project's options (plaintext for now); its calls carry
-    what `credential` holds at the time of each call."""
-    return grpc.aio.insecure_channel(
+def open_channel(
+    target: str, credential: CredentialHolder | None = None, tls: ChannelTLS | None = None
+) -> grpc.aio.Channel:
+    """A channel to `target` with the project's options, over TLS when `tls` is given; its
+    calls carry what `credential` holds at the time of each call."""
+    interceptors = credential.interceptors() if credential is not None else None
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(
         target,
-        options=CHANNEL_OPTIONS,
-        interceptors=credential.interceptors() if credential is not None else None,
+        tls.credentials(),
+        options=[*CHANNEL_OPTIONS, *tls.options()],
+        interceptors=interceptors,
     )

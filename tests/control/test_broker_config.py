@@ -4,6 +4,7 @@ are refused, a node may publish only its own presence and telemetry, the organis
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from swarmpipe.control.bus import make_client, parse_broker_url
 from swarmpipe.coordinator.broker_config import mosquitto_hash
 from swarmpipe.coordinator.tokens import TokenStore
 from swarmpipe.transport.auth import RunKey
@@ -109,3 +111,42 @@ def test_mosquitto_with_the_generated_config_enforces_the_run_acl(tmp_path: Path
         f"swarmpipe/{RUN}/presence/n1",
         f"swarmpipe/{RUN}/control/all",
     ], seen
+
+
+@pytest.mark.slow
+async def test_mosquitto_with_the_tls_config_takes_only_tls_clients_of_the_run_ca(
+    tmp_path: Path,
+) -> None:
+    if shutil.which("mosquitto_pub") is None:
+        pytest.skip("mosquitto clients are not installed")
+    state, key = _state(tmp_path)
+    out = tmp_path / "broker"
+    made = subprocess.run(
+        [sys.executable, "-m", "swarmpipe", "broker-config", "--state-dir", str(state),
+         "--out", str(out), "--tls"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    conf = (out / "mosquitto.conf").read_text()
+    assert "listener 8883" in conf and f"certfile {out.resolve() / 'broker.pem'}" in conf
+    assert (out / "broker-key.pem").stat().st_mode & 0o777 == 0o600
+    settings = [line for line in conf.splitlines() if line and not line.startswith(("#", "list"))]
+    if os.geteuid() == 0:
+        settings.append("user root")
+    n1 = ("n1", key.mqtt_password("n1"))
+    ca_file = str(state / "ca.pem")
+    with run_mosquitto(tmp_path / "run.conf", settings) as url:
+        topic = f"swarmpipe/{RUN}/presence/n1"
+        # mosquitto's own client: with the run CA, in; plaintext or without the CA, refused.
+        assert _pub(url, topic, *n1, "--cafile", ca_file) == 0
+        assert _pub(url, topic, *n1) != 0
+        assert _pub(url, topic, *n1, "--capath", str(tmp_path)) != 0
+        # Ours, dialling an IP yet checking the name swarmpipe-broker.
+        broker = dataclasses.replace(
+            parse_broker_url(url.replace("mqtt://", "mqtts://")),
+            username=n1[0],
+            password=n1[1],
+            ca_pem=(state / "ca.pem").read_bytes(),
+        )
+        async with make_client(broker, "n1") as client:
+            await client.publish(topic, b"x", qos=1)
