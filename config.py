@@ -530,11 +530,14 @@ class RobustConfig:
     clip_iterations: int = 3
     """Rounds of the centred clip (the first already lands on the plain mean when nothing
     is clipped)."""
-    direction_sigmas: float = 3.0
-    """With three or more contributions, one whose cosine with every other one is within
-    this many standard deviations of a random vector's (|cosine| < this / sqrt(parameters))
-    is dropped: noise of a plausible norm. 0 turns the screen off (for noise-dominated
-    gradients, where honest cosines come near zero)."""
+    direction_sigmas: float = 0.0
+    """With three or more contributions with traffic, one whose cosine with every other one
+    (and the optimizer's momentum) is within this many standard deviations of a random
+    vector's (|cosine| < this / sqrt(parameters)) is dropped: noise of a plausible norm.
+    0 (the default) turns the screen off. Turn it on (3 is a fair value) only where honest
+    gradients are well above noise (large microbatches): on small ones honest cosines come
+    near zero early in training, and the screen dropped and benched honest replicas of the
+    tiny test model."""
     data_norm_ratio: float = 100.0
     """A stage refuses (INVALID_ARGUMENT) an activation or gradient whose root-mean-square
     value exceeds this many times the median of the last `data_norm_window` it accepted

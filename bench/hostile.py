@@ -39,7 +39,13 @@ def _run(args: argparse.Namespace, switch: str, what: str) -> dict[str, Any]:
     before = os.environ.get(hostile.ENV)
     os.environ[hostile.ENV] = switch  # inherited by the testnet's children
     try:
-        overrides = [*args.set, "pipeline.stages=1", f"coordinator.min_nodes={args.nodes}"]
+        # The direction screen is opt-in; a --set of its own wins (it comes later).
+        overrides = [
+            "robust.direction_sigmas=3",
+            *args.set,
+            "pipeline.stages=1",
+            f"coordinator.min_nodes={args.nodes}",
+        ]
         return run_testnet(overrides, args.steps, args.nodes, args.threads, what=what)
     finally:
         if before is None:

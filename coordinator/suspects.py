@@ -71,7 +71,8 @@ class Suspects:
             return None
         if kind == REDUCE:
             voters = set(witnesses) & stage_peers
-            if 2 * len(voters) <= len(stage_peers):
+            # At least two voters: in a stage of two replicas either could be the odd one.
+            if len(voters) < 2 or 2 * len(voters) <= len(stage_peers):
                 return None
         entry = Benched(
             node_id=suspect,

@@ -121,7 +121,9 @@ def screen(
     """Node id -> why its contribution fails the finite, count, norm and direction screens.
 
     `reference` is a vector every replica holds bit-identical (the optimizer's first moment):
-    a third witness for the direction screen when fewer than three replicas had traffic.
+    one more witness for the direction screen, which runs only when three or more replicas
+    had traffic: with two, either could be the odd one, and honest gradients of a small batch
+    come near orthogonal to each other and to the momentum early in training.
     """
     rejected: dict[str, str] = {}
     unit = "token" if per == "tokens" else "sample"
@@ -160,7 +162,7 @@ def screen(
     left = [n for n in sorted(norms) if n not in rejected and norms[n] > 0]
     if reference is not None and not bool(reference.any()):
         reference = None  # no momentum yet (step 0): nothing to compare with
-    if direction_sigmas > 0 and (len(left) >= 3 or (reference is not None and left)):
+    if direction_sigmas > 0 and len(left) >= 3:
         n_values = contributions[left[0]][0].numel()
         bound = _f32(direction_sigmas / n_values**0.5)
         vectors = {n: contributions[n][0] for n in left}

@@ -33,6 +33,12 @@ def test_two_honest_replicas_bench_a_third_but_one_cannot_bench_an_honest_one() 
     assert len(s.history) == 1 and s.accepted == 3
 
 
+def test_in_a_stage_of_two_one_replica_cannot_bench_the_other() -> None:
+    s = Suspects(bench_s=60.0)
+    assert _report(s, "a", "x", {"a"}) is None  # a majority of one, but either may be odd
+    assert not s.is_benched("x", 100.0)
+
+
 def test_a_data_plane_refusal_benches_on_one_report() -> None:
     s = Suspects(bench_s=60.0)
     assert _report(s, "a", "y", set(), kind=DATA) is not None
@@ -40,5 +46,6 @@ def test_a_data_plane_refusal_benches_on_one_report() -> None:
 
 def test_bench_zero_reports_without_refusing() -> None:
     s = Suspects(bench_s=0.0)
-    assert _report(s, "a", "y", {"a"}) is not None
+    assert _report(s, "a", "y", {"a", "b"}) is None
+    assert _report(s, "b", "y", {"a", "b"}) is not None
     assert s.refusal("y", 100.0) is None

@@ -164,7 +164,9 @@ def test_noise_of_a_plausible_norm_fails_the_direction_screen_and_honest_ones_pa
     assert "x" in aggregate(flipped, per="tokens", direction_sigmas=3.0, **KW).clipped
 
 
-def test_the_gradient_momentum_is_a_witness_when_fewer_than_three_had_traffic() -> None:
+def test_two_contributions_with_traffic_pass_the_direction_screen_even_beside_momentum() -> None:
+    # With two, either could be the odd one: honest gradients of small batches come near
+    # orthogonal early in training, and the screen benched honest replicas that way.
     momentum = torch.linspace(-1, 1, 1000)  # the shared direction of the recent gradients
     honest, idle = _honest(1), (torch.zeros(1000), 0, 0)
     flat, tokens, samples = _honest(2)
@@ -172,11 +174,9 @@ def test_the_gradient_momentum_is_a_witness_when_fewer_than_three_had_traffic() 
     noise = noise * (flat.norm() / noise.norm())
     pair = {"a": honest, "idle": idle, "x": (noise, tokens, samples)}
     kw = {"per": "tokens", "direction_sigmas": 3.0, **KW}
-    result = aggregate(pair, reference=momentum, **kw)  # type: ignore[arg-type]
-    assert set(result.rejected) == {"x"} and "gradient momentum" in result.rejected["x"]
-    assert torch.equal(result.total[0], torch.zeros(1000) + honest[0])
-    # Without a witness two contributions cannot be told apart: the plain sum stays.
+    assert aggregate(pair, reference=momentum, **kw).rejected == {}  # type: ignore[arg-type]
     assert aggregate(pair, **kw).rejected == {}  # type: ignore[arg-type]
-    # A zero momentum (step 0) is no witness; a lone honest gradient passes with one.
-    assert aggregate(pair, reference=torch.zeros(1000), **kw).rejected == {}  # type: ignore[arg-type]
-    assert aggregate({"a": honest}, reference=momentum, **kw).rejected == {}  # type: ignore[arg-type]
+    # Three with traffic: the momentum is one more witness, and the noise is dropped.
+    trio = {**pair, "b": _honest(3)}
+    result = aggregate(trio, reference=momentum, **kw)  # type: ignore[arg-type]
+    assert set(result.rejected) == {"x"} and "gradient momentum" in result.rejected["x"]

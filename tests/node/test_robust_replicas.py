@@ -17,7 +17,9 @@ from tests.node.test_replica_sync import Replica, _plan
 
 @pytest.fixture
 async def trio() -> AsyncIterator[tuple[Replica, Replica, Replica]]:
-    replicas = Replica("a", []), Replica("b", []), Replica("x", [])
+    # The direction screen is opt-in (robust.direction_sigmas); these replicas turn it on.
+    screen = ["robust.direction_sigmas=3"]
+    replicas = Replica("a", screen), Replica("b", screen), Replica("x", screen)
     try:
         for r in replicas:
             await r.start()
