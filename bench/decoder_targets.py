@@ -20,16 +20,36 @@ tests/fuzz/corpus/<target>/; each decodes without an error.
 from __future__ import annotations
 
 import hashlib
-import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
+from swarmpipe.bench.fuzz_records import (
+    FIX_SIZES,
+    Crash,
+    flags_of,
+    join_records,
+    parse_or_none,
+    split_records,
+)
 from swarmpipe.errors import CodecError, PeerError
+
+__all__ = [
+    "FIX_SIZES",
+    "TARGETS",
+    "Crash",
+    "Target",
+    "flags_of",
+    "get_target",
+    "input_hash",
+    "join_records",
+    "parse_or_none",
+    "split_records",
+]
 
 WIRE_MAX_BYTES = 1 << 20
 """The tensor targets' `max_bytes`: the receiver's declared limit, payload or decoded."""
@@ -42,31 +62,6 @@ repeated field is 8 bytes per 1-byte element, and a stream's manifest is held a 
 (parsed, copied for its digest, serialized again). The state and control targets' bound is
 this times MAX_INPUT_BYTES (4 MiB): their own limits (a ~31 KB state) are far smaller."""
 MESSAGE_BOUND = PARSED_BYTES_PER_INPUT_BYTE * MAX_INPUT_BYTES
-
-_LENGTH = struct.Struct("<H")
-FIX_SIZES = 1
-"""Flags bit 0: recompute payload lengths, crc32 and sha256 after parsing."""
-
-
-def split_records(data: bytes) -> list[bytes]:
-    """`data` cut into its length-prefixed records."""
-    records = []
-    at = 0
-    while at + _LENGTH.size <= len(data):
-        (length,) = _LENGTH.unpack_from(data, at)
-        at += _LENGTH.size
-        records.append(data[at : at + length])
-        at += length
-    return records
-
-
-def join_records(records: list[bytes]) -> bytes:
-    """The input `split_records` cuts into `records` (each under 64 KiB)."""
-    return b"".join(_LENGTH.pack(len(r)) + r for r in records)
-
-
-class Crash(AssertionError):
-    """A decoder accepted an input and returned something its header did not promise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,18 +79,6 @@ class Target:
     record_type: Callable[[list[bytes], int], type[Message] | None] = lambda records, i: None
     """The protobuf message type of record `i` of an input, for `mutate_fields`; None for a
     record of raw bytes (a chunk, the flags byte)."""
-
-
-def flags_of(records: list[bytes]) -> int:
-    return records[0][0] if records and records[0] else 0
-
-
-def parse_or_none(message_type: type[Any], data: bytes) -> Any:
-    """The message, or None where the request parser (request_parsing.py) would refuse it."""
-    try:
-        return message_type.FromString(data)
-    except DecodeError:
-        return None
 
 
 # -- tensors ---------------------------------------------------------------

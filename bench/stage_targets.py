@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import cache
 from typing import Any
 
-from swarmpipe.bench.decoder_targets import FIX_SIZES, Crash, flags_of, parse_or_none, split_records
+from swarmpipe.bench.fuzz_records import FIX_SIZES, Crash, flags_of, parse_or_none, split_records
 from swarmpipe.errors import PeerError
 
 _TINY = [

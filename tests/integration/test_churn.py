@@ -53,14 +53,23 @@ def _marker(path: Path) -> dict[str, Any] | None:
 def test_killing_the_origin_of_in_flight_microbatches_replays_them(procs, tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
     steps = 10
     target = procs.coordinator(
-        *tiny, "pipeline.stages=2", f"train.steps={steps}", "coordinator.min_nodes=3"
+        *tiny, "pipeline.stages=2", f"train.steps={steps}", "coordinator.min_nodes=4"
     )
     procs.nodes(2, target)  # n0: stage 0 (a head), n1: stage 1
-    marker = tmp_path / "n2.paused"
-    # n2 is the second head. It stops dead with a microbatch whose gradient has
-    # come back from stage 1 (so stage 1 has already added it) but not committed.
-    victim, info = procs.node("n2", target, env=_pause_at("head.hop_done", 2, marker))
-    assert info["stage"] == 0
+    # Placement gives every stage a second replica once the fleet has two nodes per stage,
+    # so of n2 and n3 one joins each stage; the one on stage 0 is the second head. It stops
+    # dead with a microbatch whose gradient has come back from stage 1 (so stage 1 has
+    # already added it) but not committed. The other never reaches that point.
+    joined = {
+        name: procs.node(
+            name, target, env=_pause_at("head.hop_done", 2, tmp_path / f"{name}.paused")
+        )
+        for name in ("n2", "n3")
+    }
+    heads = [name for name, (_, info) in joined.items() if info["stage"] == 0]
+    assert len(heads) == 1, {name: info["stage"] for name, (_, info) in joined.items()}
+    victim_name = heads[0]
+    victim, marker = joined[victim_name][0], tmp_path / f"{victim_name}.paused"
     coordinator = Coordinator(target)
     try:
         paused = poll_until(lambda: _marker(marker), 240, "the head to pause mid-microbatch")
@@ -72,7 +81,7 @@ def test_killing_the_origin_of_in_flight_microbatches_replays_them(procs, tiny, 
         assert c.lost == 0 and c.outstanding == 0, c
         assert c.committed == steps * 16, c
         assert len(final.steps) == steps and final.steps[paused["step"]].samples == 16
-        survivors = {n.node_id: n for n in final.nodes if n.node_id != "n2"}
+        survivors = {n.node_id: n for n in final.nodes if n.node_id != victim_name}
         assert all(n.last_step == steps - 1 for n in survivors.values())
     finally:
         coordinator.channel.close()
