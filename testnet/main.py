@@ -42,6 +42,7 @@ from swarmpipe.process.ready import wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
 from swarmpipe.testnet.metrics_scrape import MetricsScraper
+from swarmpipe.testnet.netns import NetnsLab, check_available, exec_prefix
 from swarmpipe.testnet.node_timeline import NodeTimeline
 from swarmpipe.testnet.picture import write_picture
 from swarmpipe.testnet.processes import COORDINATOR, Child, ProcessGroup
@@ -122,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--churn-downtime", type=float, default=5.0, help="seconds a random victim stays dead"
     )
     parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="Linux, root: each daemon in a network namespace of its own on a bridge, its "
+        "links shaped in the kernel (htb per peer; netem for the delay where the kernel has "
+        "it) instead of in the sender; see docs/testnet.md",
+    )
+    parser.add_argument(
         "--metrics",
         action="store_true",
         help="serve Prometheus metrics from every daemon (--metrics-port 0), scrape them while "
@@ -155,6 +163,10 @@ async def serve(args: argparse.Namespace) -> int:
             "give at least one node per stage"
         )
     parse_profiles(args.node_profile, args.nodes)  # a bad profile fails before anything starts
+    if args.netns:
+        check_available()
+        if args.broker or args.metrics:
+            raise ConfigError("--netns runs the embedded broker and no --metrics; leave those out")
     if args.device:  # as a node would refuse it, but before any process starts
         from swarmpipe.node.device import resolve_device
 
@@ -174,12 +186,16 @@ async def serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGINT, main_task.cancel)
     loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
     try:
+        if args.netns:
+            runner.use_netns(config)
         report = await runner.run()
     except asyncio.CancelledError:
         print("\ninterrupted: stopping every process", file=sys.stderr)
         return 130  # the finally below stops them
     finally:
         runner.group.stop_all()
+        if runner.netns is not None:
+            runner.netns.close()  # after the children: nothing inside holds a namespace
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=2))
     if not args.quiet and runner.final_status is not None:
@@ -230,6 +246,25 @@ class Testnet:
         """What every node gets in its environment: the join token the testnet made."""
         self.credential = CredentialHolder()
         """What the testnet's own calls to the coordinator carry: the organiser's token."""
+        self.netns: NetnsLab | None = None
+        """With --netns: every daemon's namespace and the kernel's shaping of its links."""
+
+    def use_netns(self, config: RunConfig) -> None:
+        """Put each child in a namespace of its own (made on its first start)."""
+        lab, note = NetnsLab.open(
+            COORDINATOR,
+            self.args.nodes,
+            run_mbit=config.pipeline.link_mbit,
+            run_latency_ms=config.pipeline.link_latency_ms,
+            profiles=self.profiles,
+        )
+        self.netns = lab
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        self.group.wrap = lambda name: exec_prefix(lab.ensure(name))
+
+    def _host(self, name: str) -> str:
+        return "127.0.0.1" if self.netns is None else self.netns.ensure(name).address
 
     def _node_args(self, name: str) -> list[str]:
         node_args = [
@@ -241,7 +276,7 @@ class Testnet:
             "--node-id",
             name,
             "--listen",
-            "127.0.0.1:0",
+            f"{self._host(name)}:0",
             "--threads",
             str(self.args.threads),
         ]
@@ -252,11 +287,16 @@ class Testnet:
         profile = self.profiles.get(name)
         if profile is not None:
             node_args += profile.node_args()
+        if self.netns is not None:
+            node_args += self.netns.node_flags()
         return node_args
 
     def _start_children(self) -> str:
         # --stay: the testnet reads the final Status after the nodes leave, then stops it.
-        coord_args = [*self.log_args, "coordinator", *self.daemon_args, "--listen", "127.0.0.1:0"]
+        host = self._host(COORDINATOR)
+        coord_args = [*self.log_args, "coordinator", *self.daemon_args, "--listen", f"{host}:0"]
+        if self.netns is not None:
+            coord_args += ["--broker-listen", f"{host}:0"]
         coord_args.append("--stay")
         state_dir = self.out / "coordinator-state"
         coord_args += ["--state-dir", str(state_dir)]
@@ -273,7 +313,7 @@ class Testnet:
         self.coord_args = coord_args
         coordinator = self.group.start(COORDINATOR, coord_args)
         ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
-        self.target = f"127.0.0.1:{ready['grpc_port']}"
+        self.target = f"{host}:{ready['grpc_port']}"
         admin_token = load_or_create_admin_token(state_dir)
         self.credential.set(ADMIN_TOKEN_KEY, admin_token)
         self.admin_token = admin_token
@@ -322,6 +362,8 @@ class Testnet:
         for record, seen in zip(report["steps"], self.step_seen_at, strict=False):
             record["seen_at_seconds"] = seen
         report["churn"] = [r.as_dict() for r in self.churn_records]
+        if self.netns is not None:
+            report["netns"] = self.netns.describe()
         # Steps and churn count from when training began, link_choices from the testnet's
         # start: this offset lines the two up.
         report["training_began_at_seconds"] = (
@@ -461,10 +503,17 @@ class Testnet:
         """Publish the event's LinkControl, as `swarmpipe link-limit` would."""
         assert self.training_since is not None
         limit = None if event.mbit is None else event.mbit * MBIT
-        self.link_controls.add(event.node)
-        await link_control.publish(self._organiser_broker(), self.config.run_id, event.node, limit)
+        if self.netns is not None:  # the kernel shapes these links, not the senders
+            await asyncio.to_thread(self.netns.set_rate, event.node, event.mbit)
+        else:
+            self.link_controls.add(event.node)
+            await link_control.publish(
+                self._organiser_broker(), self.config.run_id, event.node, limit
+            )
         elapsed = time.monotonic() - self.training_since
         outcome = "withdrawn" if limit is None else f"limited to {link_control.describe(limit)}"
+        if self.netns is not None:
+            outcome += " in the kernel"
         self._record(
             ChurnRecord(
                 "link",
