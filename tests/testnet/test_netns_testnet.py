@@ -117,6 +117,16 @@ def test_sigterm_mid_run_stops_everything_and_removes_the_namespaces(
     poll_until(lambda: _gone(popen.pid), 20, "the namespaces to go")
 
 
+def test_a_failed_run_removes_the_namespaces_too(
+    tmp_path: Path, tiny: list[str], testnets: list[subprocess.Popen[str]]
+) -> None:
+    # No step can finish within 0.2 s of the start: the run fails as stalled (exit 1).
+    popen = _start(testnets, tmp_path, tiny, "--steps", "50", "--stall-timeout", "0.2")
+    output, _ = popen.communicate(timeout=120)
+    assert popen.returncode == 1 and "no step finished" in output, output
+    poll_until(lambda: _gone(popen.pid), 20, "the namespaces to go")
+
+
 def test_what_a_sigkilled_testnet_left_is_removed_by_the_next(
     tmp_path: Path, tiny: list[str], testnets: list[subprocess.Popen[str]]
 ) -> None:
