@@ -500,11 +500,13 @@ class Testnet:
             )
 
     async def _link(self, event: ChurnEvent, *, steps: int, stages: dict[str, int]) -> None:
-        """Publish the event's LinkControl, as `swarmpipe link-limit` would."""
+        """Publish the event's LinkControl, as `swarmpipe link-limit` would; with --netns,
+        change the node's classes in the kernel instead."""
         assert self.training_since is not None
         limit = None if event.mbit is None else event.mbit * MBIT
+        changed: list[str] | None = None
         if self.netns is not None:  # the kernel shapes these links, not the senders
-            await asyncio.to_thread(self.netns.set_rate, event.node, event.mbit)
+            changed = await asyncio.to_thread(self.netns.set_rate, event.node, event.mbit)
         else:
             self.link_controls.add(event.node)
             await link_control.publish(
@@ -512,8 +514,8 @@ class Testnet:
             )
         elapsed = time.monotonic() - self.training_since
         outcome = "withdrawn" if limit is None else f"limited to {link_control.describe(limit)}"
-        if self.netns is not None:
-            outcome += " in the kernel"
+        if changed is not None:
+            outcome = f"{outcome} in the kernel" if changed else "not running"
         self._record(
             ChurnRecord(
                 "link",
