@@ -42,7 +42,8 @@ from swarmpipe.process.ready import wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
 from swarmpipe.testnet.metrics_scrape import MetricsScraper
-from swarmpipe.testnet.netns import NetnsLab, check_available, exec_prefix
+from swarmpipe.testnet.netns import NetnsLab, check_available
+from swarmpipe.testnet.netns_commands import exec_prefix
 from swarmpipe.testnet.node_timeline import NodeTimeline
 from swarmpipe.testnet.picture import write_picture
 from swarmpipe.testnet.processes import COORDINATOR, Child, ProcessGroup

@@ -17,7 +17,7 @@ root-side veths `swp<pid>v<index>`), so two testnets do not collide, and a testn
 SIGKILLed is recognised by the next one, which deletes what it left behind. Interface names
 stay within the kernel's 15 characters for pids up to 7 digits and 100 nodes.
 
-The functions that build command lists are pure and unit-tested; `NetnsLab` runs them.
+The command lists are built in netns_commands.py (pure, unit-tested); `NetnsLab` runs them.
 """
 
 from __future__ import annotations
@@ -28,22 +28,30 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarmpipe.errors import ConfigError, SwarmpipeError
+from swarmpipe.testnet.netns_commands import (
+    PREFIX,
+    TAG_PATTERN,
+    Member,
+    Plan,
+    address,
+    class_id,
+    parse_class_bytes,
+    peer_class_commands,
+    pick_subnet,
+    rate_change_command,
+    shaping_root_commands,
+    stale_tags,
+    tag_for,
+    tc_in,
+)
 from swarmpipe.testnet.profiles import NodeProfile
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "swp"
-NET = "10.77"
-BRIDGE_HOST = 254
-COORDINATOR_HOST = 1
-MAX_NODES = 100
-UNLIMITED = "10gbit"
-"""The rate of a class with no limit: far above what a veth on this machine carries."""
-_TAG = re.compile(rf"^{PREFIX}(\d+)(?:-|br$|v\d+$)")
 _CMD_TIMEOUT_S = 20.0
 
 
@@ -62,49 +70,6 @@ def check_available() -> None:
             raise NetnsUnavailable(f"--netns needs the `{tool}` command (iproute2); none found")
 
 
-def tag_for(pid: int) -> str:
-    return f"{PREFIX}{pid}"
-
-
-def address(subnet: int, host: int) -> str:
-    return f"{NET}.{subnet}.{host}"
-
-
-def host_index(name: str, coordinator: str) -> int:
-    """A daemon's host number on the /24: the coordinator .1, node nK .K+2."""
-    if name == coordinator:
-        return COORDINATOR_HOST
-    match = re.fullmatch(r"n(\d+)", name)
-    if match is None or int(match.group(1)) >= MAX_NODES:
-        raise ConfigError(f"--netns: node names are n0 to n{MAX_NODES - 1}; got {name!r}")
-    return int(match.group(1)) + 2
-
-
-def pick_subnet(used: Iterable[str], start: int) -> int:
-    """The first /24 of 10.77.0.0/16 from `start` on (wrapping) that no address in `used`
-    (dotted quads already on this machine) is in."""
-    taken = set()
-    for addr in used:
-        parts = addr.split(".")
-        if len(parts) == 4 and f"{parts[0]}.{parts[1]}" == NET:
-            taken.add(int(parts[2]))
-    for offset in range(254):
-        subnet = (start + offset) % 254
-        if subnet not in taken:
-            return subnet
-    raise SwarmpipeError(f"--netns: every /24 of {NET}.0.0/16 is in use on this machine")
-
-
-def stale_tags(names: Iterable[str], alive: Callable[[int], bool]) -> set[str]:
-    """Tags (`swp<pid>`) among namespace and link names whose testnet pid is no longer alive."""
-    found = set()
-    for name in names:
-        match = _TAG.match(name)
-        if match is not None and not alive(int(match.group(1))):
-            found.add(tag_for(int(match.group(1))))
-    return found
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -113,177 +78,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One daemon's namespace: its name, namespace, root-side veth and address."""
-
-    name: str
-    netns: str
-    veth: str
-    address: str
-    host: int
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Names and addresses of one namespace testnet, and the ip/tc commands that build it."""
-
-    tag: str
-    subnet: int
-    coordinator: str = "coordinator"
-
-    @property
-    def bridge(self) -> str:
-        return f"{self.tag}br"
-
-    @property
-    def bridge_address(self) -> str:
-        return address(self.subnet, BRIDGE_HOST)
-
-    def member(self, name: str) -> Member:
-        host = host_index(name, self.coordinator)
-        return Member(
-            name=name,
-            netns=f"{self.tag}-{name}",
-            veth=f"{self.tag}v{host}",
-            address=address(self.subnet, host),
-            host=host,
-        )
-
-    def bridge_commands(self) -> list[list[str]]:
-        return [
-            ["ip", "link", "add", self.bridge, "type", "bridge"],
-            ["ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge],
-            ["ip", "link", "set", self.bridge, "up"],
-        ]
-
-    def member_commands(self, m: Member) -> list[list[str]]:
-        """Namespace, veth pair (eth0 inside), address, links up."""
-        ns = ["ip", "-n", m.netns]
-        return [
-            ["ip", "netns", "add", m.netns],
-            ["ip", "link", "add", m.veth, "type", "veth", "peer", "name", "eth0", "netns", m.netns],
-            ["ip", "link", "set", m.veth, "master", self.bridge, "up"],
-            [*ns, "addr", "add", f"{m.address}/24", "dev", "eth0"],
-            [*ns, "link", "set", "lo", "up"],
-            [*ns, "link", "set", "eth0", "up"],
-        ]
-
-    def teardown_commands(self, members: Iterable[Member]) -> list[list[str]]:
-        """Deleting the root-side veth takes its peer with it at once (a deleted namespace
-        frees its veth only later); then the namespaces, then the bridge."""
-        members = list(members)
-        cmds = [["ip", "link", "del", m.veth] for m in members]
-        cmds += [["ip", "netns", "del", m.netns] for m in members]
-        cmds.append(["ip", "link", "del", self.bridge])
-        return cmds
-
-
-def exec_prefix(m: Member) -> list[str]:
-    """What goes before a daemon's command line to run it in its namespace. `ip netns exec`
-    execs the command in its own process, so PR_SET_PDEATHSIG and the pid stay the child's."""
-    return ["ip", "netns", "exec", m.netns]
-
-
-def class_id(host: int) -> str:
-    """The htb class of traffic to peer host `host` (tc minor numbers are hex)."""
-    return f"1:{host + 0x10:x}"
-
-
-def rate_arg(mbit: float) -> str:
-    """tc's spelling of a rate; 0 Mbit/s means no limit."""
-    return UNLIMITED if mbit <= 0 else f"{mbit * 1000:.0f}kbit"
-
-
-def burst_arg(mbit: float) -> str:
-    """10 ms of the rate, at least 16 KB: enough for the kernel's timer, small beside the
-    tensors a link carries, so the rate holds over a transfer."""
-    bytes_ = 16_000 if mbit <= 0 else max(16_000, int(mbit * 1e6 / 8 * 0.01))
-    return f"{bytes_}b"
-
-
-def _tc(m: Member, *args: str) -> list[str]:
-    """A tc command on the member's eth0, run in its namespace."""
-    return ["tc", "-n", m.netns, *args]
-
-
-def _htb_rate(mbit: float) -> list[str]:
-    rate, burst = rate_arg(mbit), burst_arg(mbit)
-    return ["rate", rate, "ceil", rate, "burst", burst, "cburst", burst]
-
-
-def shaping_root_commands(m: Member) -> list[list[str]]:
-    """htb root on the node's eth0; unclassified traffic (coordinator, testnet) unshaped."""
-    return [
-        _tc(m, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"),
-        _tc(
-            m, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", *_htb_rate(0)
-        ),
-    ]
-
-
-def peer_class_commands(
-    m: Member, peer: Member, mbit: float, delay_ms: float | None
-) -> list[list[str]]:
-    """The class for what `m` sends to `peer`: its rate, a filter on the peer's address, and
-    a netem leaf for the delay when `delay_ms` is given (the kernel has netem)."""
-    cid = class_id(peer.host)
-    match = ["u32", "match", "ip", "dst", f"{peer.address}/32", "flowid", cid]
-    cmds = [
-        _tc(
-            m,
-            "class",
-            "add",
-            "dev",
-            "eth0",
-            "parent",
-            "1:",
-            "classid",
-            cid,
-            "htb",
-            *_htb_rate(mbit),
-        ),
-        _tc(
-            m, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", *match
-        ),
-    ]
-    if delay_ms is not None:
-        cmds.append(netem_command(m, peer, delay_ms, "add"))
-    return cmds
-
-
-def netem_command(m: Member, peer: Member, delay_ms: float, verb: str) -> list[str]:
-    """A netem leaf under the peer's class: `verb` add, or change."""
-    handle = f"{peer.host + 0x10:x}:"
-    netem = ["netem", "delay", f"{delay_ms:g}ms", "limit", "100000"]
-    return _tc(
-        m, "qdisc", verb, "dev", "eth0", "parent", class_id(peer.host), "handle", handle, *netem
-    )
-
-
-def rate_change_command(m: Member, peer: Member, mbit: float) -> list[str]:
-    cid = class_id(peer.host)
-    return _tc(
-        m, "class", "change", "dev", "eth0", "parent", "1:", "classid", cid, "htb", *_htb_rate(mbit)
-    )
-
-
-def parse_class_bytes(text: str) -> dict[str, int]:
-    """`tc -s class show` output into bytes sent by class id."""
-    found: dict[str, int] = {}
-    current = ""
-    for line in text.splitlines():
-        head = re.match(r"class htb (\S+) ", line)
-        if head is not None:
-            current = head.group(1)
-            continue
-        sent = re.match(r"\s*Sent (\d+) bytes", line)
-        if sent is not None and current:
-            found[current] = int(sent.group(1))
-            current = ""
-    return found
 
 
 @dataclass
@@ -428,7 +222,7 @@ class NetnsLab:
         nodes = self._node_members()
         sent = {}
         for m in nodes:
-            done = _try(_tc(m, "-s", "class", "show", "dev", "eth0"))
+            done = _try(tc_in(m, "-s", "class", "show", "dev", "eth0"))
             by_class = parse_class_bytes(done.stdout)
             for peer in nodes:
                 if peer.name != m.name and class_id(peer.host) in by_class:
@@ -500,7 +294,7 @@ def remove_stale() -> list[str]:
     tags = stale_tags(_names(), _pid_alive)
     removed = []
     for name in _names():
-        match = _TAG.match(name)
+        match = TAG_PATTERN.match(name)
         if match is None or tag_for(int(match.group(1))) not in tags:
             continue
         if name.endswith("br") or re.search(r"v\d+$", name):
@@ -511,7 +305,7 @@ def remove_stale() -> list[str]:
             removed.append(name)
     # Bridges after veths: sort puts "...br" before "...v1", so do bridges in a second pass.
     for name in _names():
-        match = _TAG.match(name)
+        match = TAG_PATTERN.match(name)
         if (
             match
             and tag_for(int(match.group(1))) in tags

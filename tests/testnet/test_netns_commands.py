@@ -1,4 +1,5 @@
-"""The ip/tc command lists of `testnet --netns` (testnet/netns.py), built without running any."""
+"""The ip/tc command lists of `testnet --netns` (testnet/netns_commands.py), built and
+recorded without running any."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 
 from swarmpipe.errors import ConfigError
 from swarmpipe.testnet import netns
-from swarmpipe.testnet.netns import NetnsLab, Plan
+from swarmpipe.testnet import netns_commands as commands
+from swarmpipe.testnet.netns import NetnsLab
+from swarmpipe.testnet.netns_commands import Plan
 
 
 def _plan() -> Plan:
@@ -25,7 +28,7 @@ def test_names_and_addresses_carry_the_tag_and_fit_the_kernel() -> None:
     assert n99.address == "10.77.17.101"
     assert plan.bridge == "swp4242br" and plan.bridge_address == "10.77.17.254"
     # Interface names: at most 15 characters even for a 7-digit pid and node n99.
-    long = Plan(tag=netns.tag_for(4194304), subnet=0)
+    long = Plan(tag=commands.tag_for(4194304), subnet=0)
     assert max(len(long.bridge), len(long.member("n99").veth)) <= 15
 
 
@@ -59,7 +62,7 @@ def test_member_commands_put_eth0_in_the_namespace_on_the_bridge() -> None:
         ["ip", "-n", "swp4242-n1", "link", "set", "lo", "up"],
         ["ip", "-n", "swp4242-n1", "link", "set", "eth0", "up"],
     ]
-    assert netns.exec_prefix(m) == ["ip", "netns", "exec", "swp4242-n1"]
+    assert commands.exec_prefix(m) == ["ip", "netns", "exec", "swp4242-n1"]
 
 
 def test_teardown_deletes_veths_then_namespaces_then_the_bridge() -> None:
@@ -77,13 +80,13 @@ def test_teardown_deletes_veths_then_namespaces_then_the_bridge() -> None:
 def test_peer_class_shapes_what_goes_to_that_peer_only() -> None:
     plan = _plan()
     n0, n1 = plan.member("n0"), plan.member("n1")
-    cls, flt = netns.peer_class_commands(n0, n1, 10.0, None)
+    cls, flt = commands.peer_class_commands(n0, n1, 10.0, None)
     assert cls[:3] == ["tc", "-n", "swp4242-n0"]
     assert cls[3:10] == ["class", "add", "dev", "eth0", "parent", "1:", "classid"]
     assert cls[10:13] == ["1:13", "htb", "rate"]  # host 3 -> minor 0x13
     assert cls[cls.index("rate") + 1] == "10000kbit" and cls[cls.index("ceil") + 1] == "10000kbit"
     assert flt[-7:] == ["u32", "match", "ip", "dst", "10.77.17.3/32", "flowid", "1:13"]
-    with_delay = netns.peer_class_commands(n0, n1, 10.0, 50.0)
+    with_delay = commands.peer_class_commands(n0, n1, 10.0, 50.0)
     assert with_delay[-1][-9:] == [
         "parent",
         "1:13",
@@ -98,15 +101,15 @@ def test_peer_class_shapes_what_goes_to_that_peer_only() -> None:
 
 
 def test_rates_bursts_and_changes() -> None:
-    assert netns.rate_arg(0) == netns.UNLIMITED
-    assert netns.rate_arg(2.5) == "2500kbit"
-    assert netns.burst_arg(10) == "16000b"  # the floor
-    assert netns.burst_arg(1000) == "1250000b"  # 10 ms at 1 Gbit/s
+    assert commands.rate_arg(0) == commands.UNLIMITED
+    assert commands.rate_arg(2.5) == "2500kbit"
+    assert commands.burst_arg(10) == "16000b"  # the floor
+    assert commands.burst_arg(1000) == "1250000b"  # 10 ms at 1 Gbit/s
     plan = _plan()
-    change = netns.rate_change_command(plan.member("n2"), plan.member("n0"), 0)
+    change = commands.rate_change_command(plan.member("n2"), plan.member("n0"), 0)
     assert change[3:9] == ["class", "change", "dev", "eth0", "parent", "1:"]
-    assert change[change.index("rate") + 1] == netns.UNLIMITED
-    root = netns.shaping_root_commands(plan.member("n2"))
+    assert change[change.index("rate") + 1] == commands.UNLIMITED
+    root = commands.shaping_root_commands(plan.member("n2"))
     assert root[0][3:] == [
         "qdisc",
         "add",
@@ -123,17 +126,17 @@ def test_rates_bursts_and_changes() -> None:
 
 def test_subnet_choice_skips_those_in_use_and_wraps() -> None:
     used = ["127.0.0.1", "10.77.5.254", "10.77.6.1", "10.78.7.1"]
-    assert netns.pick_subnet(used, 5) == 7
-    assert netns.pick_subnet(used, 253) == 253
-    assert netns.pick_subnet([f"10.77.{k}.1" for k in range(253)], 100) == 253
+    assert commands.pick_subnet(used, 5) == 7
+    assert commands.pick_subnet(used, 253) == 253
+    assert commands.pick_subnet([f"10.77.{k}.1" for k in range(253)], 100) == 253
     with pytest.raises(Exception, match="in use"):
-        netns.pick_subnet([f"10.77.{k}.1" for k in range(254)], 0)
+        commands.pick_subnet([f"10.77.{k}.1" for k in range(254)], 0)
 
 
 def test_stale_tags_are_those_of_dead_testnets_only() -> None:
     names = ["swp10-n0", "swp10br", "swp11v3", "swp12-coordinator", "eth0", "swpx", "swp13vx"]
     alive = {12}
-    assert netns.stale_tags(names, lambda pid: pid in alive) == {"swp10", "swp11"}
+    assert commands.stale_tags(names, lambda pid: pid in alive) == {"swp10", "swp11"}
 
 
 def test_parse_class_bytes() -> None:
@@ -143,7 +146,7 @@ def test_parse_class_bytes() -> None:
         "class htb 1:1 root prio 0 rate 10Gbit ceil 10Gbit burst 0b cburst 0b \n"
         " Sent 77 bytes 1 pkt (dropped 0, overlimits 0 requeues 0) \n"
     )
-    assert netns.parse_class_bytes(text) == {"1:13": 5120, "1:1": 77}
+    assert commands.parse_class_bytes(text) == {"1:13": 5120, "1:1": 77}
 
 
 def test_lab_shapes_each_new_node_both_ways_and_churn_changes_the_rate() -> None:

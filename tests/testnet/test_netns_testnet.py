@@ -21,6 +21,7 @@ import pytest
 from swarmpipe.errors import ConfigError
 from swarmpipe.process.ready import poll_until
 from swarmpipe.testnet import netns
+from swarmpipe.testnet.netns_commands import tag_for
 
 try:
     netns.check_available()
@@ -36,7 +37,7 @@ pytestmark = [
 
 
 def _gone(pid: int) -> bool:
-    return not netns.leftovers(f"{netns.tag_for(pid)}")
+    return not netns.leftovers(f"{tag_for(pid)}")
 
 
 @pytest.fixture
@@ -110,7 +111,7 @@ def test_sigterm_mid_run_stops_everything_and_removes_the_namespaces(
 ) -> None:
     popen = _start(testnets, tmp_path, tiny, "--steps", "500", "--nodes", "3")
     poll_until((tmp_path / "logs" / "n2.ready.json").exists, 120, "n2 to start")
-    assert netns.leftovers(netns.tag_for(popen.pid))  # it did make them
+    assert netns.leftovers(tag_for(popen.pid))  # it did make them
     popen.send_signal(signal.SIGTERM)
     output, _ = popen.communicate(timeout=60)
     assert popen.returncode == 130, output
@@ -134,7 +135,7 @@ def test_what_a_sigkilled_testnet_left_is_removed_by_the_next(
     poll_until((tmp_path / "logs" / "n2.ready.json").exists, 120, "n2 to start")
     os.killpg(popen.pid, signal.SIGKILL)  # no cleanup of its own can run
     popen.wait()
-    tag = netns.tag_for(popen.pid)
+    tag = tag_for(popen.pid)
     left = netns.leftovers(tag)
     assert f"{tag}br" in left and f"{tag}-n0" in left
     # The daemons die with their parent (PR_SET_PDEATHSIG); then the namespaces are stale.
