@@ -19,6 +19,8 @@ BENCHMARKS: dict[str, str] = {
     "links": "lossless against auto codec choice with every link limited, beside both bounds",
     "latency": "how full the pipeline stays: no limit against one process, 10 Mbit/s against "
     "the link bound, 50 ms against no delay; in_flight auto beside 2",
+    "netns": "samples/s at a link limit with the in-process limiter beside the kernel's "
+    "shaping in network namespaces (Linux, root), and what the links carried",
     "churn": "seconds from a replica's SIGKILL until samples/s is back to 90%",
     "convergence": "held-out loss after N steps per boundary codec and learned bottleneck",
     "join": "seconds from a node's start to taking traffic when it joins a running run",

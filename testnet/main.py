@@ -42,6 +42,8 @@ from swarmpipe.process.ready import wait_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.testnet.churn import ChurnEvent, ChurnPlan, ChurnRecord, parse_schedule
 from swarmpipe.testnet.metrics_scrape import MetricsScraper
+from swarmpipe.testnet.netns import NetnsLab, check_available
+from swarmpipe.testnet.netns_commands import exec_prefix
 from swarmpipe.testnet.node_timeline import NodeTimeline
 from swarmpipe.testnet.picture import write_picture
 from swarmpipe.testnet.processes import COORDINATOR, Child, ProcessGroup
@@ -130,6 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--churn-downtime", type=float, default=5.0, help="seconds a random victim stays dead"
     )
     parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="Linux, root: each daemon in a network namespace of its own on a bridge, its "
+        "links shaped in the kernel (htb per peer; netem for the delay where the kernel has "
+        "it) instead of in the sender; see docs/testnet.md",
+    )
+    parser.add_argument(
         "--metrics",
         action="store_true",
         help="serve Prometheus metrics from every daemon (--metrics-port 0), scrape them while "
@@ -163,6 +172,10 @@ async def serve(args: argparse.Namespace) -> int:
             "give at least one node per stage"
         )
     parse_profiles(args.node_profile, args.nodes)  # a bad profile fails before anything starts
+    if args.netns:
+        check_available()
+        if args.broker or args.metrics:
+            raise ConfigError("--netns runs the embedded broker and no --metrics; leave those out")
     if args.device:  # as a node would refuse it, but before any process starts
         from swarmpipe.node.device import resolve_device
 
@@ -182,12 +195,16 @@ async def serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGINT, main_task.cancel)
     loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
     try:
+        if args.netns:
+            runner.use_netns(config)
         report = await runner.run()
     except asyncio.CancelledError:
         print("\ninterrupted: stopping every process", file=sys.stderr)
         return 130  # the finally below stops them
     finally:
         runner.group.stop_all()
+        if runner.netns is not None:
+            runner.netns.close()  # after the children: nothing inside holds a namespace
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=2))
     if not args.quiet and runner.final_status is not None:
@@ -243,6 +260,25 @@ class Testnet:
         """What the testnet's own calls to the coordinator carry: the organiser's token."""
         self.ca_file = ""
         """With --tls: the run CA the coordinator made, which nodes get as --ca-file."""
+        self.netns: NetnsLab | None = None
+        """With --netns: every daemon's namespace and the kernel's shaping of its links."""
+
+    def use_netns(self, config: RunConfig) -> None:
+        """Put each child in a namespace of its own (made on its first start)."""
+        lab, note = NetnsLab.open(
+            COORDINATOR,
+            self.args.nodes,
+            run_mbit=config.pipeline.link_mbit,
+            run_latency_ms=config.pipeline.link_latency_ms,
+            profiles=self.profiles,
+        )
+        self.netns = lab
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        self.group.wrap = lambda name: exec_prefix(lab.ensure(name))
+
+    def _host(self, name: str) -> str:
+        return "127.0.0.1" if self.netns is None else self.netns.ensure(name).address
 
     def _node_args(self, name: str) -> list[str]:
         node_args = [
@@ -254,7 +290,7 @@ class Testnet:
             "--node-id",
             name,
             "--listen",
-            "127.0.0.1:0",
+            f"{self._host(name)}:0",
             "--threads",
             str(self.args.threads),
         ]
@@ -267,11 +303,16 @@ class Testnet:
             node_args += profile.node_args()
         if self.ca_file:
             node_args += ["--ca-file", self.ca_file]
+        if self.netns is not None:
+            node_args += self.netns.node_flags()
         return node_args
 
     def _start_children(self) -> str:
         # --stay: the testnet reads the final Status after the nodes leave, then stops it.
-        coord_args = [*self.log_args, "coordinator", *self.daemon_args, "--listen", "127.0.0.1:0"]
+        host = self._host(COORDINATOR)
+        coord_args = [*self.log_args, "coordinator", *self.daemon_args, "--listen", f"{host}:0"]
+        if self.netns is not None:
+            coord_args += ["--broker-listen", f"{host}:0"]
         coord_args.append("--stay")
         state_dir = self.out / "coordinator-state"
         coord_args += ["--state-dir", str(state_dir)]
@@ -291,7 +332,7 @@ class Testnet:
         coordinator = self.group.start(COORDINATOR, coord_args)
         ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
         self.ca_file = ready.get("ca_file") or ""
-        self.target = f"127.0.0.1:{ready['grpc_port']}"
+        self.target = f"{host}:{ready['grpc_port']}"
         admin_token = load_or_create_admin_token(state_dir)
         self.credential.set(ADMIN_TOKEN_KEY, admin_token)
         self.admin_token = admin_token
@@ -344,6 +385,8 @@ class Testnet:
         for record, seen in zip(report["steps"], self.step_seen_at, strict=False):
             record["seen_at_seconds"] = seen
         report["churn"] = [r.as_dict() for r in self.churn_records]
+        if self.netns is not None:
+            report["netns"] = self.netns.describe()
         # Steps and churn count from when training began, link_choices from the testnet's
         # start: this offset lines the two up.
         report["training_began_at_seconds"] = (
@@ -482,22 +525,28 @@ class Testnet:
     async def _link(self, event: ChurnEvent, *, steps: int, stages: dict[str, int]) -> None:
         """Publish the event's LinkControl, as `swarmpipe link-limit` would: a `link` event
         sets or withdraws the send limit, a `profile` event the keys it names; the node's
-        other setting goes along unchanged (one retained message holds both)."""
+        other setting goes along unchanged (one retained message holds both). With --netns
+        the kernel shapes the links, so a limit changes the node's classes there instead."""
         assert self.training_since is not None
         limit, slowdown = self.controls.get(event.node, (None, None))
-        if event.action == "link" or event.mbit is not None:
+        sets_limit = event.action == "link" or event.mbit is not None
+        if sets_limit:
             limit = None if event.mbit is None else event.mbit * MBIT
         if event.slow is not None:
             slowdown = event.slow
         self.controls[event.node] = (limit, slowdown)
-        self.link_controls.add(event.node)
-        await link_control.publish(
-            self._organiser_broker(),
-            self.config.run_id,
-            event.node,
-            limit,
-            slowdown=slowdown,
-        )
+        changed: list[str] | None = None
+        if self.netns is not None and sets_limit:
+            changed = await asyncio.to_thread(self.netns.set_rate, event.node, event.mbit)
+        if self.netns is None or slowdown is not None:
+            self.link_controls.add(event.node)
+            await link_control.publish(
+                self._organiser_broker(),
+                self.config.run_id,
+                event.node,
+                limit if self.netns is None else None,
+                slowdown=slowdown,
+            )
         elapsed = time.monotonic() - self.training_since
         outcome = "withdrawn" if limit is None else f"limited to {link_control.describe(limit)}"
         if event.action == "profile":
@@ -505,6 +554,8 @@ class Testnet:
                 ([f"send limit {link_control.describe(limit)}"] if event.mbit is not None else [])
                 + ([f"compute slowdown {event.slow:g}"] if event.slow is not None else [])
             )
+        if changed is not None:
+            outcome = f"{outcome} in the kernel" if changed else "not running"
         self._record(
             ChurnRecord(
                 event.action,

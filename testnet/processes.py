@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class ProcessGroup:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.children: list[Child] = []
+        self.wrap: Callable[[str], list[str]] | None = None
+        """What goes before a child's command, by its name (`ip netns exec NS` with --netns)."""
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
@@ -67,6 +70,8 @@ class ProcessGroup:
         ready = self.workdir / "logs" / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "swarmpipe", *args, "--ready-file", str(ready)]
+        if self.wrap is not None:
+            cmd = [*self.wrap(name), *cmd]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
