@@ -76,6 +76,17 @@ def test_a_peer_over_its_stream_limit_is_refused_while_the_run_trains(
     log = (procs.tmp / "n1.log").read_text()
     assert "a call over its peer's limit" in log and "Traceback" not in log
 
+    # The coordinator's server holds its peers to the same run's limits.
+    with grpc.insecure_channel(coordinator) as channel:
+        held = [_watch(channel) for _ in range(STREAMS)]
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                _watch(channel)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for stream in held:
+                stream.cancel()
+
 
 def _open_or_none(channel: grpc.Channel) -> Any:
     try:
