@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmpipe.errors import ConfigError
-from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
+from swarmpipe.transport.limits import CHUNK_BYTES, MBIT, check_latency_ms, check_limit
 
 # Config names of the codecs and the schema enum each maps to (see protos/tensor.proto).
 _CODEC_ENUMS = {
@@ -339,6 +340,19 @@ class PipelineConfig:
     """How replicas of a stage stay equal: "every_step" sums gradients before every
     optimizer step; "diloco" takes `diloco_inner_steps` local AdamW steps on each
     replica's own gradients, then averages parameters with an outer Nesterov step."""
+    peer_max_calls: int = 0
+    """Calls one peer (a node by its credential, else an address) may have open at once on
+    any node's or the coordinator's server; 0: twice peer_max_streams. Past it:
+    RESOURCE_EXHAUSTED (transport/peer_limits.py)."""
+    peer_max_streams: int = 0
+    """Streaming calls one peer may have open at once on a server; 0: derived from the run,
+    2 x (window x 4 + 4) with the in-flight window (16 for "auto"): 136."""
+    peer_calls_per_s: float = 1000.0
+    """Calls one peer may start per second on a server, sustained (a burst of as many)."""
+    stream_idle_s: float = 0.0
+    """Longest wait, in seconds, for a stream's next message before the server ends it; 0:
+    the longer of hop_timeout_s and reduce_timeout_s, and at least twice a 1 MiB chunk's time
+    at link_mbit."""
     diloco_inner_steps: int = 10
     """Local optimizer steps between two parameter averages (sync = "diloco")."""
     diloco_outer_lr: float = 0.7
@@ -438,6 +452,29 @@ class PipelineConfig:
                 )
         elif self.in_flight < 1:
             raise ConfigError("pipeline.in_flight must be >= 1")
+        if self.peer_max_calls < 0 or self.peer_max_streams < 0:
+            raise ConfigError(
+                "pipeline.peer_max_calls and peer_max_streams must be >= 1, or 0 to derive "
+                "them from the run"
+            )
+        if not (math.isfinite(self.peer_calls_per_s) and self.peer_calls_per_s > 0):
+            raise ConfigError(
+                f"pipeline.peer_calls_per_s={self.peer_calls_per_s} must be a positive rate "
+                "(e.g. 1000)"
+            )
+        if self.stream_idle_s < 0:
+            raise ConfigError("pipeline.stream_idle_s must be >= 0 (0: derived from the run)")
+        # A full chunk paced at the run's send limit must fit in the bound twice over, or
+        # honest slow streams would be cut.
+        chunk_s = CHUNK_BYTES / (self.link_mbit * MBIT) if self.link_mbit > 0 else 0.0
+        if self.stream_idle_s and not (
+            math.isfinite(self.stream_idle_s) and self.stream_idle_s >= 2 * chunk_s
+        ):
+            raise ConfigError(
+                f"pipeline.stream_idle_s={self.stream_idle_s} must be at least "
+                f"{max(2 * chunk_s, 0):.3g} s (twice a 1 MiB chunk at pipeline.link_mbit="
+                f"{self.link_mbit:g}) and finite, or 0 to derive it"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -39,6 +39,8 @@ BENCHMARKS: dict[str, str] = {
     "hangs, crashes, peak memory, log lines",
     "fuzz-decoders": "a coverage-guided fuzz (atheris) of every decoder: inputs, crashes, hangs, "
     "peak memory against its bound",
+    "stream-flood": "one peer opening thousands of streams to a node: the node's peak memory "
+    "and threads with the per-peer limits beside without",
     "tls": "a --tls testnet's samples/s beside plaintext's, and that both end identical",
 }
 """Benchmark name (a module of swarmpipe.bench, `-` spelled `_`) -> one line of what it measures."""

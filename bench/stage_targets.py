@@ -15,7 +15,6 @@ from functools import cache
 from typing import Any
 
 from swarmpipe.bench.fuzz_records import FIX_SIZES, Crash, flags_of, parse_or_none, split_records
-from swarmpipe.errors import PeerError
 
 _TINY = [
     "model.n_layers=2",
@@ -180,14 +179,15 @@ def forward_request() -> Callable[[bytes], bool]:
     servicer makes before any compute (node/server.py Forward)."""
     from swarmpipe.compression import get_codec
     from swarmpipe.node.server import (
-        MAX_SAMPLES_PER_MICROBATCH,
         decode_labels_and_tokens,
+        microbatch_check,
         read_forward_request,
     )
     from swarmpipe.protos import stage_pb2
 
     runtime = tiny_runtime(1)
     config = runtime.config
+    check = microbatch_check(runtime)
     loop = asyncio.new_event_loop()
 
     async def stream(messages: list[Any]) -> AsyncIterator[Any]:
@@ -205,12 +205,10 @@ def forward_request() -> Callable[[bytes], bool]:
             for tensor in tensors[:1]:
                 tensor.payload_bytes = sum(len(c) for c in chunks)
                 tensor.crc32 = zlib.crc32(b"".join(chunks))
-        header, activation = loop.run_until_complete(read_forward_request(stream(messages)))
+        header, activation = loop.run_until_complete(
+            read_forward_request(stream(messages), check=check)
+        )
         # The servicer's own checks, in its order; each refusal is a PeerError there too.
-        if not 1 <= header.sample_count <= MAX_SAMPLES_PER_MICROBATCH:
-            raise PeerError(f"sample_count {header.sample_count} is out of range")
-        if header.context != config.model.context:
-            raise PeerError(f"context {header.context} differs from the run's")
         if header.gradient_codec:
             get_codec(header.gradient_codec)
         runtime.check_activation(activation, header.sample_count)

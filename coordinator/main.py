@@ -267,6 +267,7 @@ async def _serve(
     from swarmpipe.protos import coordinator_pb2
     from swarmpipe.transport import tls
     from swarmpipe.transport.auth import AuthInterceptor
+    from swarmpipe.transport.peer_limits import PeerLimiter, limits_for
     from swarmpipe.transport.request_parsing import add_servicer
     from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection
 
@@ -307,7 +308,8 @@ async def _serve(
     if ca is not None:
         broker = dataclasses.replace(broker, ca_pem=ca.cert_pem)
     service.broker = broker
-    server = create_server(AuthInterceptor(admission.policy))
+    limiter = PeerLimiter(limits_for(service.config.pipeline), admission.caller)
+    server = create_server(AuthInterceptor(admission.policy), limiter=limiter)
     add_servicer(server, service, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
     await enable_health_and_reflection(
         server, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]

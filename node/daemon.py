@@ -62,6 +62,7 @@ from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2
 from swarmpipe.transport import tls
 from swarmpipe.transport.auth import CREDENTIAL_KEY, AuthInterceptor, CredentialHolder, Verifier
 from swarmpipe.transport.limits import MBIT
+from swarmpipe.transport.peer_limits import PeerLimiter, limits_for
 from swarmpipe.transport.request_parsing import add_servicer
 from swarmpipe.transport.rpc import bind, create_server, enable_health_and_reflection, open_channel
 
@@ -174,6 +175,10 @@ class NodeDaemon:
         """The stage's device, resolved at Join and kept across moves."""
         self.coordinator = CoordinatorClient(self._channel, options.coordinator)
         self.servicer = StageServicer(self.node_id, self.status, self.peer_admission)
+        self.peer_limiter = PeerLimiter(
+            limits_for(RunConfig().pipeline), self.peer_admission.caller
+        )
+        """Per-peer limits on this node's server: the defaults until Join brings the run's."""
         self.joined: _Joined | None = None
         self._topics: Topics | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -236,7 +241,9 @@ class NodeDaemon:
         binding = []
         if self._server_tls is not None:
             binding = [tls.CertificateBinding(lambda: self.peer_admission.verifier)]
-        server = create_server(AuthInterceptor(self.peer_admission.policy), *binding)
+        server = create_server(
+            AuthInterceptor(self.peer_admission.policy), *binding, limiter=self.peer_limiter
+        )
         add_servicer(server, self.servicer, stage_pb2.DESCRIPTOR.services_by_name["Stage"])
         await enable_health_and_reflection(
             server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name]
@@ -267,6 +274,7 @@ class NodeDaemon:
             config = RunConfig.from_json(reply.run_config_json)
             stage = reply.stage
             self.router.configure(config.pipeline)
+            self.peer_limiter.configure(limits_for(config.pipeline))
             set_log_identity(f"node {self.node_id} stage {stage}", node=self.node_id, stage=stage)
             link_mbit = self.options.link_mbit
             if link_mbit is None:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import torch
@@ -27,6 +27,7 @@ from swarmpipe.node.context import NodeStatus, StageContext
 from swarmpipe.node.peer_admission import PeerAdmission
 from swarmpipe.node.replica_sync import ReplicaSync
 from swarmpipe.node.router import HopError, HopResult
+from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.node.state_transfer import StateTransfer
 from swarmpipe.node.token_ids import decode_token_ids, tokens_from_labels
 from swarmpipe.node.transport import LinkStats, TensorReader, encode
@@ -35,20 +36,44 @@ from swarmpipe.transport.request_parsing import BAD_REQUESTS
 
 logger = logging.getLogger(__name__)
 
-MAX_SAMPLES_PER_MICROBATCH = 4096
 # Refusals are logged through the process's rate-limited log of bad calls, by method.
 FORWARD_METHOD = "/swarmpipe.v1.Stage/Forward"
 REDUCE = "/swarmpipe.v1.Stage/Reduce"
 MIDDLE_HOP_ATTEMPTS = 2
 
 
+HeaderCheck = Callable[[stage_pb2.MicrobatchHeader, tensor_pb2.TensorHeader], None]
+
+
+def microbatch_check(runtime: StageRuntime) -> HeaderCheck:
+    """The checks of a microbatch's headers against the run, made before its payload is
+    buffered (PeerError names the problem): its stage, context, sample count and activation
+    shape, so a peer cannot make this node hold a tensor it would refuse anyway."""
+    config = runtime.config
+
+    def check(header: stage_pb2.MicrobatchHeader, tensor: tensor_pb2.TensorHeader) -> None:
+        if header.hop != runtime.stage:
+            raise PeerError(
+                f"microbatch is for stage {header.hop}; this node serves {runtime.stage}"
+            )
+        if header.context != config.model.context:
+            raise PeerError(
+                f"context {header.context} differs from the run's {config.model.context}"
+            )
+        runtime.check_activation_header(tensor.shape, header.sample_count)
+
+    return check
+
+
 async def read_forward_request(
     requests: AsyncIterator[stage_pb2.ForwardMessage],
     stats: LinkStats | None = None,
     device: torch.device | None = None,
+    check: HeaderCheck | None = None,
 ) -> tuple[stage_pb2.MicrobatchHeader, torch.Tensor]:
     """Read the header, tensor header and chunks of one Forward call, in that order; the
-    tensor is decoded on `device` (None: the host)."""
+    tensor is decoded on `device` (None: the host). `check` sees both headers before any
+    chunk is taken."""
     header: stage_pb2.MicrobatchHeader | None = None
     reader: TensorReader | None = None
     async for message in requests:
@@ -62,6 +87,8 @@ async def read_forward_request(
                 raise PeerError("the tensor header came before the microbatch header")
             if reader is not None:
                 raise PeerError("the call carries a second tensor header")
+            if check is not None:
+                check(header, message.tensor)
             reader = TensorReader(message.tensor, stats, device)
         elif kind == "chunk":
             if reader is None:
@@ -255,20 +282,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is still syncing")
         try:
             header, activation = await read_forward_request(
-                request_iterator, d.stats, d.runtime.device
+                request_iterator, d.stats, d.runtime.device, microbatch_check(runtime)
             )
             caller = self._caller(context)
             if caller is not None and header.sender_node and header.sender_node != caller:
                 raise PeerError(
                     f"the microbatch names sender {header.sender_node!r}, not {caller!r}"
-                )
-            if header.hop != d.stage:
-                raise PeerError(f"microbatch is for stage {header.hop}; this node serves {d.stage}")
-            if not 1 <= header.sample_count <= MAX_SAMPLES_PER_MICROBATCH:
-                raise PeerError(f"sample_count {header.sample_count} is out of range")
-            if header.context != d.config.model.context:
-                raise PeerError(
-                    f"context {header.context} differs from the run's {d.config.model.context}"
                 )
             if header.gradient_codec:
                 get_codec(header.gradient_codec)  # CodecError names an unknown codec

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +94,32 @@ class StageRuntime:
             )
 
     # -- input checks (called before any compute) ------------------------
+
+    def check_activation_header(self, shape: Sequence[int], sample_count: int) -> None:
+        """Refuse a microbatch whose declared size this stage would not take, before any of
+        its payload is buffered: at most train.microbatch samples (every lease, training or
+        evaluation, is cut to that), and an activation of [B, T, D], or [B, T, k] after a
+        bottleneck boundary (a custom model factory declares only its batch dimension)."""
+        if self.is_first:
+            raise PeerError("stage 0 takes token ids from its own data, not activations")
+        most = self.config.train.microbatch
+        if not 1 <= sample_count <= most:
+            raise PeerError(
+                f"sample_count {sample_count} is out of range: this run's microbatches hold "
+                f"1 to {most} samples (train.microbatch)"
+            )
+        if self.config.model.factory:
+            if not shape or shape[0] != sample_count:
+                raise PeerError(
+                    f"activation of {len(shape)} dimensions does not start with the "
+                    f"microbatch's {sample_count} samples"
+                )
+            return
+        want = [sample_count, self.config.model.context, self.input_width]
+        if len(shape) != len(want) or list(shape) != want:
+            # Only the first dimensions are shown: a header can carry a million.
+            shown = ", ".join(str(n) for n in list(shape[:8])) + (", ..." if len(shape) > 8 else "")
+            raise PeerError(f"activation of shape [{shown}] is not the expected {want}")
 
     def check_activation(self, x: torch.Tensor, sample_count: int) -> None:
         """Reject an activation this stage cannot take, with a message naming the problem."""

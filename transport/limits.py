@@ -15,6 +15,11 @@ from swarmpipe.errors import ConfigError
 MBIT = 1e6 / 8
 """Bytes per second in one Mbit/s."""
 
+CHUNK_BYTES = 1 << 20
+"""The largest chunk a tensor or a state stream is sent in (compression/wire.py and
+storage/checkpoints.py use this figure; kept here too so the control plane needs no torch):
+the unit a stream's idle bound is sized for."""
+
 MIN_LIMIT = 1e3 / 8
 """The slowest send limit accepted, 1 kbit/s, in bytes per second: a 1 MiB chunk already
 takes over two hours at that rate, so anything slower is a typo, not an experiment."""

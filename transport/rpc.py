@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from swarmpipe.transport.auth import AuthInterceptor, CredentialHolder
+from swarmpipe.transport.peer_limits import PeerLimiter
 from swarmpipe.transport.request_parsing import add_servicer
 from swarmpipe.transport.tls import ChannelTLS
 
@@ -40,11 +41,14 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 
 
 def create_server(
-    auth: AuthInterceptor | None = None, *more: grpc.aio.ServerInterceptor
+    auth: AuthInterceptor | None = None,
+    *more: grpc.aio.ServerInterceptor,
+    limiter: PeerLimiter | None = None,
 ) -> grpc.aio.Server:
-    """A server with the project's options; `auth` checks every caller but the open services,
-    then `more` (transport/tls.py's certificate binding) in turn."""
-    interceptors = [i for i in (auth, *more) if i is not None]
+    """A server with the project's options; `limiter` holds each peer to its limits (first,
+    so calls the credential check refuses count too), `auth` checks every caller but the
+    open services, then `more` (transport/tls.py's certificate binding) in turn."""
+    interceptors = [i for i in (limiter, auth, *more) if i is not None]
     return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
 
 
