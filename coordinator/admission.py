@@ -21,7 +21,6 @@ refused (PERMISSION_DENIED) from the moment the coordinator reads the token file
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -51,16 +50,6 @@ JOIN_TOKEN_FILE = "join-token"
 SERVICE = "/swarmpipe.v1.Coordinator/"
 JOIN = SERVICE + "Join"
 ORGANISER_METHODS = frozenset(SERVICE + m for m in ("Status", "Drain", "Move"))
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _write_secret(path: Path, text: str) -> None:

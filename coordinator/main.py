@@ -117,8 +117,9 @@ async def serve(args: argparse.Namespace) -> int:
     # Imported here, not above: grpc, the broker and the MQTT client take a while to
     # import, which `swarmpipe coordinator --help` must not wait for (process/subcommands.py).
     from swarmpipe.control.bus import BrokerAddress
-    from swarmpipe.coordinator.admission import Admission, is_loopback
+    from swarmpipe.coordinator.admission import Admission
     from swarmpipe.coordinator.service import CoordinatorService
+    from swarmpipe.transport.tls import is_loopback
 
     if bool(args.tls_ca_cert) != bool(args.tls_ca_key):
         raise ConfigError("--tls-ca-cert and --tls-ca-key go together")

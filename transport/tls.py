@@ -227,7 +227,8 @@ def _checked(
 # -- who may listen without TLS ------------------------------------------------
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name, an address, or one in brackets) is this machine only."""
     host = host.strip("[]")
     if host == "localhost":
         return True
@@ -242,7 +243,7 @@ def plaintext_exposure(listening: dict[str, str]) -> list[str]:
     return [
         f"{what} {address}"
         for what, address in listening.items()
-        if not _is_loopback(address.rpartition(":")[0])
+        if not is_loopback(address.rpartition(":")[0])
     ]
 
 
