@@ -298,6 +298,8 @@ class Testnet:
             node_args += ["--broker", self.args.broker]
         if self.args.device:
             node_args += ["--device", self.args.device]
+        if self.netns is not None and not self.args.tls:
+            node_args.append("--insecure")  # a private bridge, as for the coordinator
         profile = self.profiles.get(name)
         if profile is not None:
             node_args += profile.node_args()
@@ -313,6 +315,10 @@ class Testnet:
         coord_args = [*self.log_args, "coordinator", *self.daemon_args, "--listen", f"{host}:0"]
         if self.netns is not None:
             coord_args += ["--broker-listen", f"{host}:0"]
+            if not self.args.tls:
+                # The namespaces' bridge is private to this machine: plaintext there is what
+                # the loopback testnet does, not a door to the world.
+                coord_args.append("--insecure")
         coord_args.append("--stay")
         state_dir = self.out / "coordinator-state"
         coord_args += ["--state-dir", str(state_dir)]
@@ -330,7 +336,13 @@ class Testnet:
             coord_args.append("--tls")
         self.coord_args = coord_args
         coordinator = self.group.start(COORDINATOR, coord_args)
-        ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
+        try:
+            ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
+        except (RuntimeError, TimeoutError) as exc:
+            raise SwarmpipeError(
+                f"the coordinator did not start ({exc}); the end of {coordinator.log_path}:\n"
+                f"{coordinator.log_tail()}"
+            ) from exc
         self.ca_file = ready.get("ca_file") or ""
         self.target = f"{host}:{ready['grpc_port']}"
         admin_token = load_or_create_admin_token(state_dir)

@@ -166,7 +166,17 @@ def test_a_run_that_asks_for_cuda_sends_a_node_without_one_away_with_exit_2(
     # The run's own train.device is known only from JoinReply; the node then leaves with
     # the same one line a bad --device gets, before it builds its stage.
     target = procs.coordinator("train.device=cuda", "pipeline.stages=1")
-    popen, _ = procs.start("n0", "node", "--coordinator", target, "--node-id", "n0", ready=False)
+    popen, _ = procs.start(
+        "n0",
+        "node",
+        "--coordinator",
+        target,
+        "--node-id",
+        "n0",
+        "--listen",
+        "127.0.0.1:0",
+        ready=False,
+    )
     assert popen.wait(timeout=120) == 2
     log = (procs.tmp / "n0.log").read_text()
     assert "configuration error: train.device cuda: this machine has no CUDA GPU" in log

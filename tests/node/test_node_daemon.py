@@ -413,14 +413,18 @@ def test_a_stage_after_a_bottleneck_needs_well_formed_token_ids(procs, tiny) -> 
 def test_an_absurd_activation_is_invalid_argument_and_its_sender_benched(  # type: ignore[no-untyped-def]
     last_stage, module_procs
 ) -> None:
-    stub, _ = last_stage
+    stub, info = last_stage
     step = stub.Info(stage_pb2.StageInfoRequest(), timeout=5).step
     for _ in range(10):  # what the stage has seen: activations of the usual scale
         _call(stub, _messages(step, torch.randn(2, CONTEXT, WIDTH)))
     poisoned = _messages(step, torch.randn(2, CONTEXT, WIDTH) * 10_000)
-    poisoned[0].microbatch.sender_node = "n0"  # the run's (dead) head, a member it can bench
+    # The run's (dead) head, a member it can bench; the caller's credential must name the
+    # same node (Forward refuses a sender that is not the caller).
+    poisoned[0].microbatch.sender_node = "n0"
+    as_n0 = module_procs.peer_channel(info["grpc_port"], node_id="n0")
     with pytest.raises(grpc.RpcError) as err:
-        _call(stub, poisoned)
+        _call(stage_pb2_grpc.StageStub(as_n0), poisoned)
+    as_n0.close()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "root-mean-square" in (err.value.details() or ""), err.value.details()
     assert "the bound is 100x" in (err.value.details() or "")
