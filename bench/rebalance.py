@@ -60,16 +60,37 @@ FAST_REBALANCING = (
     "coordinator.move_overhead_s=5",
     "coordinator.move_horizon_s=600",
 )
+# The fleet the bench measures by default (`--set` overrides each): a long, narrow model
+# (8 KB of activations per sample, about 2 ms of compute per microbatch) on slow links, so
+# the links, not this host's shared cores nor a step's fixed costs, decide the rate.
+BENCH_SETTINGS = (
+    "model.context=128",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_layers=4",
+    "train.global_batch=128",
+    "train.microbatch=4",
+    # The auto window (node/in_flight.py) takes a head's time per tensor on one link for
+    # its bottleneck and shares it among the heads, while a head sends over a link to each
+    # next-stage replica at once: on 0.3 Mbit/s links it kept 3 microbatches in flight
+    # where 8 fill them (5.5 samples/s against about 18). A fixed window of 8 fills them.
+    "pipeline.in_flight=8",
+    # A head that moves with leases in flight can leave its step waiting on leases nobody
+    # serves (seen twice, see docs/benchmarks.md) until they expire: 30 s, not 300 s.
+    "coordinator.lease_timeout_s=30",
+)
 POLL_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=7, help="testnet nodes")
+    parser.add_argument("--nodes", type=int, default=6, help="testnet nodes")
     parser.add_argument("--stages", type=int, default=3, help="pipeline stages")
-    parser.add_argument("--steps", type=int, default=90, help="optimizer steps in the run")
-    parser.add_argument("--mbit", type=float, default=8.0, help="every node's send limit")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps in the run")
+    parser.add_argument(
+        "--mbit", type=float, default=0.3, help="every node's send limit to each peer"
+    )
     parser.add_argument("--fall", type=float, default=10.0, help="the victim's limit falls by")
-    parser.add_argument("--drop-at-step", type=int, default=25, help="steps before the fall")
+    parser.add_argument("--drop-at-step", type=int, default=8, help="steps before the fall")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument(
         "--timeout", type=float, default=1800.0, help="give up on the testnet after this long"
@@ -224,7 +245,7 @@ class _Watch:
 
 
 def serve(args: argparse.Namespace) -> int:
-    overrides = [*FAST_REBALANCING, *args.set]
+    overrides = [*BENCH_SETTINGS, *FAST_REBALANCING, *args.set]
     load_config(None, overrides)  # a bad --set fails before anything starts
     if args.fall <= 1 or args.drop_at_step < 3 or args.drop_at_step >= args.steps - 10:
         raise SystemExit("give --fall > 1 and 3 <= --drop-at-step <= --steps - 10")

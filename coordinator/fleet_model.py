@@ -36,6 +36,10 @@ What each figure comes from (protos/control.proto, `Telemetry`):
   unbounded, so a new node's links are not taken for the bottleneck before anything moved.
   The bytes are the counters' totals, links to peers that since moved included: a link
   that carried a share of the node's bytes once is taken to carry that share again.
+  The reduce is a per-step cost: it runs at the step's barrier, once the pipeline's links
+  are idle, so its seconds per sample add to theirs instead of overlapping (samples per
+  step over (the step's link time + the barrier's)); bench rebalance on 0.3 Mbit/s links
+  measured the reduce at several per cent of a step.
 """
 
 from __future__ import annotations
@@ -129,19 +133,24 @@ def node_caps(
 ) -> dict[str, placement.NodeCaps]:
     """Each node's capabilities for the policy (see the module's docstring)."""
     # (node, peer) -> [wire bytes, bandwidth] of the link from node to peer, all directions.
-    links: dict[tuple[str, str], list[float]] = {}
+    # (node, peer, a reduce?) -> [wire bytes, bandwidth] of the link from node to peer.
+    links: dict[tuple[str, str, bool], list[float]] = {}
     for o in fleet:
         if o.telemetry is None:
             continue
         for e in o.telemetry.link_estimates:
             if e.direction in _LINK_DIRECTIONS and e.bytes_per_second > 0:
                 # The meter is per link, shared by its directions; the bytes add up.
-                link = links.setdefault((o.node_id, e.peer), [0.0, e.bytes_per_second])
+                key = (o.node_id, e.peer, e.direction == "reduce")
+                link = links.setdefault(key, [0.0, e.bytes_per_second])
                 link[0] += e.wire_bytes
-    out_links: dict[str, list[tuple[float, float]]] = {}
+    out_links: dict[str, list[tuple[float, float, bool]]] = {}
+    meters: dict[tuple[str, str], float] = {}
+    for (sender, receiver, reduce), (wire, bandwidth) in links.items():
+        out_links.setdefault(sender, []).append((wire, bandwidth, reduce))
+        meters[(sender, receiver)] = bandwidth
     in_bw: dict[str, float] = {}
-    for (sender, receiver), (wire, bandwidth) in links.items():
-        out_links.setdefault(sender, []).append((wire, bandwidth))
+    for (_, receiver), bandwidth in meters.items():
         in_bw[receiver] = in_bw.get(receiver, 0.0) + bandwidth
     # A rate is measured on the stage the telemetry names: a node that just moved still
     # reports its old stage's figure until it serves the new one.
@@ -170,17 +179,22 @@ def node_caps(
     return caps
 
 
-def links_carry(links: Sequence[tuple[float, float]]) -> float:
-    """Bytes/s a node's links carry together, given each link's (wire bytes, bandwidth): at
-    the split of bytes they saw, the busiest link (most seconds per byte) fills first, so
-    sum(bytes) / max(bytes / bandwidth). Links that carried nothing yet count at their
-    bandwidth alone (the mean of those, if none carried any); none: unbounded."""
+def links_carry(links: Sequence[tuple[float, float, bool]]) -> float:
+    """Bytes/s a node's links carry together, given each link's (wire bytes, bandwidth, a
+    reduce link?). The pipeline's links work at once, so at the split of bytes they saw
+    the busiest (most seconds per byte) sets the pace; the reduce runs at the step's
+    barrier, after them, so its seconds add: bytes / (max over pipeline links of
+    bytes / bandwidth + max over reduce links of the same). Links that carried nothing yet
+    count at their bandwidth alone (the mean of those, if none carried any); none:
+    unbounded."""
     if not links:
         return math.inf
-    total = sum(wire for wire, _ in links)
+    total = sum(wire for wire, _, _ in links)
     if total <= 0:
-        return sum(bw for _, bw in links) / len(links)
-    return total / max(wire / bw for wire, bw in links)
+        return sum(bw for _, bw, _ in links) / len(links)
+    pipeline = max((wire / bw for wire, bw, reduce in links if not reduce), default=0.0)
+    barrier = max((wire / bw for wire, bw, reduce in links if reduce), default=0.0)
+    return total / (pipeline + barrier)
 
 
 def limited_by(caps: placement.NodeCaps, stage: placement.StageSpec, rate_on_stage: float) -> str:

@@ -314,12 +314,21 @@ def test_a_rebalance_leaves_every_stage_one_of_the_replicas_it_had() -> None:
 
 def test_links_limited_each_on_their_own_carry_their_sum_at_the_split_they_see() -> None:
     # Two peers at 1e5 B/s each (the testnet's per-peer send limit), an even split: 2e5.
-    assert fleet_model.links_carry([(500.0, 1e5), (500.0, 1e5)]) == pytest.approx(2e5)
+    assert fleet_model.links_carry([(500.0, 1e5, False), (500.0, 1e5, False)]) == 2e5
     # A 3:1 split: the link with 3/4 of the bytes fills first, at 1e5 / 0.75 for the node.
-    assert fleet_model.links_carry([(750.0, 1e5), (250.0, 1e5)]) == pytest.approx(1e5 / 0.75)
+    three_to_one = [(750.0, 1e5, False), (250.0, 1e5, False)]
+    assert fleet_model.links_carry(three_to_one) == pytest.approx(1e5 / 0.75)
     # One uplink shared while busy: each meter sees its share, the node its uplink.
-    assert fleet_model.links_carry([(750.0, 7.5e4), (250.0, 2.5e4)]) == pytest.approx(1e5)
+    shared = [(750.0, 7.5e4, False), (250.0, 2.5e4, False)]
+    assert fleet_model.links_carry(shared) == pytest.approx(1e5)
     assert fleet_model.links_carry([]) == math.inf
+
+
+def test_the_reduce_at_the_barrier_adds_its_seconds_to_the_pipelines() -> None:
+    # 900 bytes over the pipeline's link take 9 ms, 100 over the reduce's 1 ms after them:
+    # 1000 bytes in 10 ms, though both links could carry theirs at once.
+    links = [(900.0, 1e5, False), (100.0, 1e5, True)]
+    assert fleet_model.links_carry(links) == pytest.approx(1e5)
 
 
 def test_a_sender_whose_link_fell_does_not_make_its_receivers_look_slow() -> None:
