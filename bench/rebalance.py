@@ -23,7 +23,9 @@ beside the model's bound each window shows a host bound: the cores over the comp
 one sample costs summed over the stages (`host_bound`, from the nodes' measured rates), the
 share of the cores the testnet's processes used (`host_busy_share`, from /proc), and
 `recovered_fraction_of_host_aware`: samples/s after the rebalance over min(model, host bound).
-`time_breakdown` summarises report.json's: where each node's step cycle went.
+`time_breakdown` summarises report.json's: where each node's step cycle went. A run in
+which no step finishes for `--stall-s` after the fall is stopped, and what was measured is
+printed with `stalled_at_step`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from swarmpipe.control.bus import BrokerAddress, parse_broker_url
 from swarmpipe.control.link_control import organiser_login
 from swarmpipe.process.ready import read_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.testnet.time_breakdown import time_breakdown
 from swarmpipe.transport.auth import ADMIN_TOKEN_KEY
 from swarmpipe.transport.limits import MBIT
 
@@ -94,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument(
         "--timeout", type=float, default=1800.0, help="give up on the testnet after this long"
+    )
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=120.0,
+        help="after the fall, stop the testnet and print what was measured once no step "
+        "has finished for this long",
     )
     add_config_arguments(parser, with_file=False)
     parser.add_argument("--out", help="write the JSON here too")
@@ -282,10 +292,10 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             watch = _Watch(stub, admin_token, proc.pid)
             figures = _drop_and_watch(args, watch, broker, proc, deadline)
-        _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-        if proc.returncode != 0:
-            raise SystemExit(f"the testnet failed (exit {proc.returncode}):\n{stderr[-3000:]}")
-        report: dict[str, Any] = json.loads((out / "report.json").read_text())
+        if figures["stalled_at_step"] is None:
+            _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            if proc.returncode != 0:
+                raise SystemExit(f"the testnet failed (exit {proc.returncode}):\n{stderr[-3000:]}")
     finally:
         if proc.poll() is None:
             proc.terminate()  # the testnet stops its children on SIGTERM
@@ -294,9 +304,16 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    figures["time_breakdown"] = summarise_breakdown(report.get("time_breakdown", {}))
-    figures["counters"] = report["counters"]
-    figures["moves"] = report.get("moves", [])
+    # From the last Status, as report.json has it: a stalled run writes none.
+    figures["time_breakdown"] = summarise_breakdown(time_breakdown(watch.status))
+    figures["counters"] = {
+        k: getattr(watch.status.counters, k)
+        for k in ("leased", "committed", "replayed", "duplicates", "lost", "outstanding")
+    }
+    figures["moves"] = [
+        {"node": m.node_id, "from": m.from_stage, "to": m.to_stage, "reason": m.reason}
+        for m in watch.status.moves
+    ]
     return figures
 
 
@@ -330,7 +347,8 @@ def _drop_and_watch(
     asyncio.run(link_control.publish(broker, status.run_id, victim, limit))
     # Wait for the rebalance: moves ordered after the drop, and every mover serving again.
     t_moved = t_served = None
-    while t_served is None:
+    stall = _Stall(args.stall_s)
+    while t_served is None and not stall.seen(status):
         _alive_or_fail(proc, deadline, done=watch.gone)
         time.sleep(POLL_S)
         status = watch.poll()
@@ -344,10 +362,11 @@ def _drop_and_watch(
         if new and movers <= serving and status.steps and t_moved is not None:
             # The steps' clock moves only when a step finishes: no earlier than the move.
             t_served = max(status.steps[-1].elapsed_s, t_moved)
-    while not watch.poll().done and not watch.gone:  # the steps to the run's end
+    while not stall.stalled and not watch.poll().done and not watch.gone:  # to the run's end
         _alive_or_fail(proc, deadline, done=watch.gone)
+        stall.seen(watch.status)
         time.sleep(POLL_S)
-    if not watch.status.done:
+    if not watch.status.done and not stall.stalled:
         _alive_or_fail(proc, deadline)
         raise SystemExit("the coordinator went away before the run was done")
     steps = list(watch.status.steps)
@@ -384,6 +403,7 @@ def _drop_and_watch(
         "drop_at_seconds": t_drop,
         "first_move_at_seconds": t_moved,
         "movers_serving_at_seconds": t_served,
+        "stalled_at_step": len(steps) if stall.stalled else None,
         **figures,
         "recovered_fraction": _ratio(after["samples_per_second"], best),
         "recovered_fraction_of_host_aware": _ratio(after["samples_per_second"], aware),
@@ -392,6 +412,22 @@ def _drop_and_watch(
         ),
         "target_fraction": 0.8,
     }
+
+
+class _Stall:
+    """Whether the run stopped finishing steps: none finished for `limit_s` seconds."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.steps = -1
+        self.since = time.monotonic()
+        self.stalled = False
+
+    def seen(self, status: coordinator_pb2.StatusReply) -> bool:
+        if len(status.steps) != self.steps:
+            self.steps, self.since = len(status.steps), time.monotonic()
+        self.stalled = self.stalled or time.monotonic() - self.since > self.limit_s
+        return self.stalled
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
