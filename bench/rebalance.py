@@ -17,6 +17,15 @@ each beside the model's bound for that fleet at that time, and `recovered_fracti
 samples/s after the rebalance over the best bound the model computes for the fleet with the
 fallen link (target: at least 0.8). All three come from one run, so the ratios mean
 something on a noisy host; the absolute figures do not travel.
+
+The model counts every node as a machine of its own. A testnet shares this host's cores, so
+beside the model's bound each window shows a host bound: the cores over the compute seconds
+one sample costs summed over the stages (`host_bound`, from the nodes' measured rates), the
+share of the cores the testnet's processes used (`host_busy_share`, from /proc), and
+`recovered_fraction_of_host_aware`: samples/s after the rebalance over min(model, host bound).
+`time_breakdown` summarises report.json's: where each node's step cycle went. A run in
+which no step finishes for `--stall-s` after the fall is stopped, and what was measured is
+printed with `stalled_at_step`.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,9 +46,12 @@ import grpc
 
 from swarmpipe.config import add_config_arguments, load_config
 from swarmpipe.control import link_control
-from swarmpipe.control.bus import parse_broker_url
+from swarmpipe.control.bus import BrokerAddress, parse_broker_url
+from swarmpipe.control.link_control import organiser_login
 from swarmpipe.process.ready import read_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.testnet.time_breakdown import time_breakdown
+from swarmpipe.transport.auth import ADMIN_TOKEN_KEY
 from swarmpipe.transport.limits import MBIT
 
 # Rebalancing settings that fit a run of minutes: a round every 5 s, a node may move again
@@ -50,19 +63,49 @@ FAST_REBALANCING = (
     "coordinator.move_overhead_s=5",
     "coordinator.move_horizon_s=600",
 )
+# The fleet the bench measures by default (`--set` overrides each): a long, narrow model
+# (8 KB of activations per sample, about 2 ms of compute per microbatch) on slow links, so
+# the links, not this host's shared cores nor a step's fixed costs, decide the rate.
+BENCH_SETTINGS = (
+    "model.context=128",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_layers=4",
+    "train.global_batch=128",
+    "train.microbatch=4",
+    # The auto window (node/in_flight.py) takes a head's time per tensor on one link for
+    # its bottleneck and shares it among the heads, while a head sends over a link to each
+    # next-stage replica at once: on 0.3 Mbit/s links it kept 3 microbatches in flight
+    # where 8 fill them (5.5 samples/s against about 18). A fixed window of 8 fills them.
+    "pipeline.in_flight=8",
+    # A head that moves with leases in flight can leave its step waiting on leases nobody
+    # serves (seen twice, see docs/benchmarks.md) until they expire: 30 s, not 300 s.
+    "coordinator.lease_timeout_s=30",
+)
 POLL_S = 0.5
+GONE_AFTER_FAILURES = 3
+"""Status calls failing in a row before the bench takes the coordinator for gone."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=7, help="testnet nodes")
+    parser.add_argument("--nodes", type=int, default=6, help="testnet nodes")
     parser.add_argument("--stages", type=int, default=3, help="pipeline stages")
-    parser.add_argument("--steps", type=int, default=90, help="optimizer steps in the run")
-    parser.add_argument("--mbit", type=float, default=8.0, help="every node's send limit")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps in the run")
+    parser.add_argument(
+        "--mbit", type=float, default=0.3, help="every node's send limit to each peer"
+    )
     parser.add_argument("--fall", type=float, default=10.0, help="the victim's limit falls by")
-    parser.add_argument("--drop-at-step", type=int, default=25, help="steps before the fall")
+    parser.add_argument("--drop-at-step", type=int, default=8, help="steps before the fall")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument(
         "--timeout", type=float, default=1800.0, help="give up on the testnet after this long"
+    )
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=120.0,
+        help="after the fall, stop the testnet and print what was measured once no step "
+        "has finished for this long",
     )
     add_config_arguments(parser, with_file=False)
     parser.add_argument("--out", help="write the JSON here too")
@@ -98,49 +141,127 @@ def rate_between(
     return samples / max(times[last] - times[first - 1], 1e-9), len(inside)
 
 
+def host_bound(record: coordinator_pb2.PlacementRecord, cores: float) -> float | None:
+    """Samples/s this host's cores allow the fleet in `record`: every sample costs each stage
+    one replica's compute, so samples/s <= cores / sum over stages of the compute seconds per
+    sample there (1 / a replica's measured rate, weighted by the share of the stage's samples
+    its effective rate takes). None while a stage has no measured replica."""
+    seconds = 0.0
+    for stage in range(len(record.stage_rates)):
+        replicas = [n for n in record.nodes if n.stage == stage and n.compute > 0]
+        total = sum(n.effective for n in replicas)
+        if not replicas or total <= 0:
+            return None
+        seconds += sum(n.effective / total / n.compute for n in replicas)
+    return cores / seconds if seconds > 0 else None
+
+
 def _views(
-    samples: list[tuple[float, coordinator_pb2.PlacementRecord]], start: float, end: float
+    samples: list[tuple[float, coordinator_pb2.PlacementRecord]],
+    start: float,
+    end: float,
+    cores: float,
 ) -> dict[str, Any]:
     """The median of the model's figures polled between `start` and `end`."""
     chosen = [p for t, p in samples if start <= t <= end and p.bound > 0]
     if not chosen:
-        return {"bound": None, "best_bound": None}
+        return {"bound": None, "best_bound": None, "host_bound": None}
+    hosts = [h for h in (host_bound(p, cores) for p in chosen) if h is not None]
     return {
         "bound": statistics.median(p.bound for p in chosen),
         "best_bound": statistics.median(p.best_bound for p in chosen),
+        "host_bound": statistics.median(hosts) if hosts else None,
         "stage_rates": [round(r, 2) for r in chosen[-1].stage_rates],
+        "compute_rates": {n.node_id: round(n.compute, 2) for n in chosen[-1].nodes},
         "limited_by": {n.node_id: n.limited_by for n in chosen[-1].nodes},
+    }
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (user + system) used so far by `root` and every live process below it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The command name may hold spaces: the fields start after its ")".
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone since the listing
+        parent[int(entry.name)] = int(fields[1])
+        used[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += used.get(pid, 0.0)
+        todo += [child for child, up in parent.items() if up == pid]
+    return total
+
+
+def _host_busy(
+    cpu: list[tuple[float, float, float]], start: float, end: float, cores: float
+) -> float | None:
+    """The share of the cores the testnet used between `start` and `end` (steps' clock),
+    from (steps' clock, monotonic, CPU seconds) polls."""
+    inside = [c for c in cpu if start <= c[0] <= end]
+    if len(inside) < 2 or inside[-1][1] <= inside[0][1]:
+        return None
+    return (inside[-1][2] - inside[0][2]) / (inside[-1][1] - inside[0][1]) / cores
+
+
+def summarise_breakdown(breakdown: dict[str, Any]) -> dict[str, Any]:
+    """report.json's time_breakdown without its per-step lists: each node's shares of its
+    step cycle and the coordinator's boundary share."""
+    coordinator = breakdown.get("coordinator", {})
+    return {
+        "boundary_share": coordinator.get("boundary_share"),
+        "nodes": {
+            node_id: {"stage": node["stage"]} | {k: round(v, 3) for k, v in node["shares"].items()}
+            for node_id, node in breakdown.get("nodes", {}).items()
+        },
     }
 
 
 class _Watch:
     """The bench's view of the running testnet: Status polls and what it did."""
 
-    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
+    def __init__(
+        self, stub: coordinator_pb2_grpc.CoordinatorStub, admin_token: str, testnet_pid: int
+    ) -> None:
         self.stub = stub
+        self.metadata = ((ADMIN_TOKEN_KEY, admin_token),)
+        self.testnet_pid = testnet_pid
         self.views: list[tuple[float, coordinator_pb2.PlacementRecord]] = []
+        self.cpu: list[tuple[float, float, float]] = []
         self.status = coordinator_pb2.StatusReply()
         self.gone = False
+        self.failures = 0
 
     def poll(self) -> coordinator_pb2.StatusReply:
         """The latest Status; the last one seen when the coordinator is gone (the testnet
         stops it once the run is done: `_alive_or_fail` says whether that was a failure)."""
         try:
             status: coordinator_pb2.StatusReply = self.stub.Status(
-                coordinator_pb2.StatusRequest(), timeout=10
+                coordinator_pb2.StatusRequest(), timeout=10, metadata=self.metadata
             )
         except grpc.RpcError:
-            self.gone = True
+            # One slow answer from a coordinator busy with a move is not its end.
+            self.failures += 1
+            self.gone = self.failures >= GONE_AFTER_FAILURES
             return self.status
+        self.failures = 0
         self.status = status
         # On the steps' clock: seconds since step 0 opened, as of the last finished step.
         now = status.steps[-1].elapsed_s if status.steps else 0.0
         self.views.append((now, status.placement))
+        self.cpu.append((now, time.monotonic(), tree_cpu_seconds(self.testnet_pid)))
         return status
 
 
 def serve(args: argparse.Namespace) -> int:
-    overrides = [*FAST_REBALANCING, *args.set]
+    overrides = [*BENCH_SETTINGS, *FAST_REBALANCING, *args.set]
     load_config(None, overrides)  # a bad --set fails before anything starts
     if args.fall <= 1 or args.drop_at_step < 3 or args.drop_at_step >= args.steps - 10:
         raise SystemExit("give --fall > 1 and 3 <= --drop-at-step <= --steps - 10")
@@ -170,13 +291,17 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
         while (ready := read_ready_file(ready_path)) is None:
             _alive_or_fail(proc, deadline)
             time.sleep(POLL_S)
+        # Status and the link limit are the organiser's: the testnet keeps its token there.
+        admin_token = (out / "coordinator-state" / "admin-token").read_text().strip()
+        broker = organiser_login(parse_broker_url(ready["broker_url"]), admin_token)
         with grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as channel:
-            watch = _Watch(coordinator_pb2_grpc.CoordinatorStub(channel))
-            figures = _drop_and_watch(args, watch, ready["broker_url"], proc, deadline)
-        _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-        if proc.returncode != 0:
-            raise SystemExit(f"the testnet failed (exit {proc.returncode}):\n{stderr[-3000:]}")
-        report: dict[str, Any] = json.loads((out / "report.json").read_text())
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            watch = _Watch(stub, admin_token, proc.pid)
+            figures = _drop_and_watch(args, watch, broker, proc, deadline)
+        if figures["stalled_at_step"] is None:
+            _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            if proc.returncode != 0:
+                raise SystemExit(f"the testnet failed (exit {proc.returncode}):\n{stderr[-3000:]}")
     finally:
         if proc.poll() is None:
             proc.terminate()  # the testnet stops its children on SIGTERM
@@ -185,8 +310,16 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    figures["counters"] = report["counters"]
-    figures["moves"] = report.get("moves", [])
+    # From the last Status, as report.json has it: a stalled run writes none.
+    figures["time_breakdown"] = summarise_breakdown(time_breakdown(watch.status))
+    figures["counters"] = {
+        k: getattr(watch.status.counters, k)
+        for k in ("leased", "committed", "replayed", "duplicates", "lost", "outstanding")
+    }
+    figures["moves"] = [
+        {"node": m.node_id, "from": m.from_stage, "to": m.to_stage, "reason": m.reason}
+        for m in watch.status.moves
+    ]
     return figures
 
 
@@ -201,7 +334,7 @@ def _alive_or_fail(proc: subprocess.Popen[str], deadline: float, *, done: bool =
 def _drop_and_watch(
     args: argparse.Namespace,
     watch: _Watch,
-    broker_url: str,
+    broker: BrokerAddress,
     proc: subprocess.Popen[str],
     deadline: float,
 ) -> dict[str, Any]:
@@ -217,10 +350,11 @@ def _drop_and_watch(
     t_drop = status.steps[-1].elapsed_s
     moves_before = len(status.moves)
     limit = args.mbit * MBIT / args.fall
-    asyncio.run(link_control.publish(parse_broker_url(broker_url), status.run_id, victim, limit))
+    asyncio.run(link_control.publish(broker, status.run_id, victim, limit))
     # Wait for the rebalance: moves ordered after the drop, and every mover serving again.
     t_moved = t_served = None
-    while t_served is None:
+    stall = _Stall(args.stall_s)
+    while t_served is None and not stall.seen(status):
         _alive_or_fail(proc, deadline, done=watch.gone)
         time.sleep(POLL_S)
         status = watch.poll()
@@ -234,34 +368,73 @@ def _drop_and_watch(
         if new and movers <= serving and status.steps and t_moved is not None:
             # The steps' clock moves only when a step finishes: no earlier than the move.
             t_served = max(status.steps[-1].elapsed_s, t_moved)
-    while not watch.poll().done and not watch.gone:  # the steps to the run's end
+    while not stall.stalled and not watch.poll().done and not watch.gone:  # to the run's end
         _alive_or_fail(proc, deadline, done=watch.gone)
+        stall.seen(watch.status)
         time.sleep(POLL_S)
-    if not watch.status.done:
+    if not watch.status.done and not stall.stalled:
         _alive_or_fail(proc, deadline)
         raise SystemExit("the coordinator went away before the run was done")
     steps = list(watch.status.steps)
     end = steps[-1].elapsed_s if steps else 0.0
     warmup = steps[min(2, len(steps) - 1)].elapsed_s if steps else 0.0
-    before, n_before = rate_between(steps, warmup, t_drop)
-    dropped, n_dropped = rate_between(steps, t_drop, t_moved if t_moved is not None else end)
-    after, n_after = (None, 0) if t_served is None else rate_between(steps, t_served, end)
-    new_fleet = _views(watch.views, t_served or end, end)
-    best = new_fleet.get("best_bound")
+    cores = float(len(os.sched_getaffinity(0)))
+    windows = {
+        "before": (warmup, t_drop),
+        "after_drop": (t_drop, t_moved if t_moved is not None else end),
+        "after_rebalance": (t_served if t_served is not None else end, end),
+    }
+    figures: dict[str, Any] = {}
+    for name, (start, stop) in windows.items():
+        rate, n = rate_between(steps, start, stop)
+        if name == "after_rebalance" and t_served is None:
+            rate, n = None, 0
+        view = _views(watch.views, start, stop, cores)
+        figures[name] = {"samples_per_second": rate, "steps": n} | view
+        busy = _host_busy(watch.cpu, start, stop, cores)
+        figures[name]["host_busy_share"] = busy
+        if busy and rate:
+            # What the whole testnet (codecs, gRPC, Python, compute) spends per sample.
+            figures[name]["cpu_seconds_per_sample"] = busy * cores / rate
+    after = figures["after_rebalance"]
+    best, host = after.get("best_bound"), after.get("host_bound")
+    aware = min(best, host) if best and host else best
     return {
         "nodes": args.nodes,
         "stages": args.stages,
         "mbit": args.mbit,
+        "cores": cores,
         "victim": victim,
         "victim_mbit_after": args.mbit / args.fall,
         "drop_at_seconds": t_drop,
         "first_move_at_seconds": t_moved,
         "movers_serving_at_seconds": t_served,
-        "before": {"samples_per_second": before, "steps": n_before}
-        | _views(watch.views, warmup, t_drop),
-        "after_drop": {"samples_per_second": dropped, "steps": n_dropped}
-        | _views(watch.views, t_drop, t_moved if t_moved is not None else end),
-        "after_rebalance": {"samples_per_second": after, "steps": n_after} | new_fleet,
-        "recovered_fraction": after / best if after and best else None,
+        "stalled_at_step": len(steps) if stall.stalled else None,
+        **figures,
+        "recovered_fraction": _ratio(after["samples_per_second"], best),
+        "recovered_fraction_of_host_aware": _ratio(after["samples_per_second"], aware),
+        "before_fraction": _ratio(
+            figures["before"]["samples_per_second"], figures["before"].get("best_bound")
+        ),
         "target_fraction": 0.8,
     }
+
+
+class _Stall:
+    """Whether the run stopped finishing steps: none finished for `limit_s` seconds."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.steps = -1
+        self.since = time.monotonic()
+        self.stalled = False
+
+    def seen(self, status: coordinator_pb2.StatusReply) -> bool:
+        if len(status.steps) != self.steps:
+            self.steps, self.since = len(status.steps), time.monotonic()
+        self.stalled = self.stalled or time.monotonic() - self.since > self.limit_s
+        return self.stalled
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num and den else None

@@ -19,13 +19,27 @@ What each figure comes from (protos/control.proto, `Telemetry`):
   the stage's bytes each way (a replica receives what the others send it). With few samples
   a step it can outweigh the activations, and a replica whose link fell holds up every
   step's reduce of its stage.
-- A node's outbound bandwidth: the mean of what its link meters measured to its peers (the
-  meters time transfers, so this is what a link carries, not what traffic happened to use).
-  Its inbound bandwidth: the most that any node sending to it measured (a link is as fast
-  as the slower of its two ends, so the fastest sender's figure is what the receiver's end
-  shows at least; the mean would blame a receiver for its senders' uplinks, and change
-  whenever it moves next to other senders). Unmeasured: unbounded, so a new node's links
-  are not taken for the bottleneck before anything moved.
+- A node's outbound bandwidth: what its links carry together at the split of traffic they
+  see. Each link has its own meter and carries its own share of the node's bytes (a
+  sender spreads microbatches over the next stage's replicas), so the node's links hold it
+  to min over links of (link's bandwidth / link's bytes per sample) samples/s; the policy
+  takes a node's bandwidth as one figure, so it gets the equivalent: the node's bytes over
+  the most any link takes per byte, sum(bytes) / max(bytes / bandwidth). This is right
+  where links are limited each on their own (the testnet's per-peer send limits, and paths
+  whose narrowest part is not the node's own line) and where they share one uplink while
+  they are busy together (each meter then sees its share of the line); the mean of the
+  meters, used before, took a node sending to two peers at 1 Mbit/s each for a 1 Mbit/s
+  node (bench rebalance: measured 18.9 samples/s beside a bound of 12.8). Its inbound
+  bandwidth: the sum of what the links sending to it measured, which its downlink carried
+  at least (a sum, not the per-link minimum: a sender whose uplink fell is that sender's
+  limit, counted in its outbound, and must not make its receivers look slow). Unmeasured:
+  unbounded, so a new node's links are not taken for the bottleneck before anything moved.
+  The bytes are the counters' totals, links to peers that since moved included: a link
+  that carried a share of the node's bytes once is taken to carry that share again.
+  The reduce is a per-step cost: it runs at the step's barrier, once the pipeline's links
+  are idle, so its seconds per sample add to theirs instead of overlapping (samples per
+  step over (the step's link time + the barrier's)); bench rebalance on 0.3 Mbit/s links
+  measured the reduce at several per cent of a step.
 """
 
 from __future__ import annotations
@@ -118,18 +132,26 @@ def node_caps(
     fleet: Sequence[Observed], stages: Sequence[placement.StageSpec]
 ) -> dict[str, placement.NodeCaps]:
     """Each node's capabilities for the policy (see the module's docstring)."""
-    out_bw: dict[str, list[float]] = {}
-    in_bw: dict[str, list[float]] = {}
+    # (node, peer) -> [wire bytes, bandwidth] of the link from node to peer, all directions.
+    # (node, peer, a reduce?) -> [wire bytes, bandwidth] of the link from node to peer.
+    links: dict[tuple[str, str, bool], list[float]] = {}
     for o in fleet:
         if o.telemetry is None:
             continue
-        seen: set[str] = set()
         for e in o.telemetry.link_estimates:
-            # The meter is per link, shared by its directions: count each peer once.
-            if e.direction in _LINK_DIRECTIONS and e.bytes_per_second > 0 and e.peer not in seen:
-                seen.add(e.peer)
-                out_bw.setdefault(o.node_id, []).append(e.bytes_per_second)
-                in_bw.setdefault(e.peer, []).append(e.bytes_per_second)
+            if e.direction in _LINK_DIRECTIONS and e.bytes_per_second > 0:
+                # The meter is per link, shared by its directions; the bytes add up.
+                key = (o.node_id, e.peer, e.direction == "reduce")
+                link = links.setdefault(key, [0.0, e.bytes_per_second])
+                link[0] += e.wire_bytes
+    out_links: dict[str, list[tuple[float, float, bool]]] = {}
+    meters: dict[tuple[str, str], float] = {}
+    for (sender, receiver, reduce), (wire, bandwidth) in links.items():
+        out_links.setdefault(sender, []).append((wire, bandwidth, reduce))
+        meters[(sender, receiver)] = bandwidth
+    in_bw: dict[str, float] = {}
+    for (_, receiver), bandwidth in meters.items():
+        in_bw[receiver] = in_bw.get(receiver, 0.0) + bandwidth
     # A rate is measured on the stage the telemetry names: a node that just moved still
     # reports its old stage's figure until it serves the new one.
     measured = {
@@ -150,15 +172,29 @@ def node_caps(
         caps[o.node_id] = placement.NodeCaps(
             node_id=o.node_id,
             speed=speeds.get(o.node_id, default_speed),
-            bandwidth_in=max(in_bw.get(o.node_id) or [math.inf]),
-            bandwidth_out=_mean(out_bw.get(o.node_id)),
+            bandwidth_in=in_bw.get(o.node_id, math.inf),
+            bandwidth_out=links_carry(out_links.get(o.node_id, [])),
             compute_rates=tuple(rates),
         )
     return caps
 
 
-def _mean(values: list[float] | None) -> float:
-    return sum(values) / len(values) if values else math.inf
+def links_carry(links: Sequence[tuple[float, float, bool]]) -> float:
+    """Bytes/s a node's links carry together, given each link's (wire bytes, bandwidth, a
+    reduce link?). The pipeline's links work at once, so at the split of bytes they saw
+    the busiest (most seconds per byte) sets the pace; the reduce runs at the step's
+    barrier, after them, so its seconds add: bytes / (max over pipeline links of
+    bytes / bandwidth + max over reduce links of the same). Links that carried nothing yet
+    count at their bandwidth alone (the mean of those, if none carried any); none:
+    unbounded."""
+    if not links:
+        return math.inf
+    total = sum(wire for wire, _, _ in links)
+    if total <= 0:
+        return sum(bw for _, bw, _ in links) / len(links)
+    pipeline = max((wire / bw for wire, bw, reduce in links if not reduce), default=0.0)
+    barrier = max((wire / bw for wire, bw, reduce in links if reduce), default=0.0)
+    return total / (pipeline + barrier)
 
 
 def limited_by(caps: placement.NodeCaps, stage: placement.StageSpec, rate_on_stage: float) -> str:

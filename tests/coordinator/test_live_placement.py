@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -43,7 +44,8 @@ def report(
     rng: random.Random | None = None,
 ) -> None:
     """Give every live node telemetry as a node would send it: its compute rate, and what it
-    sent to each replica of its neighbouring stages, metered at its uplink's speed."""
+    sent to each replica of its neighbouring stages, over links that share its uplink while
+    they are busy together (each meter sees the uplink times its share of the bytes)."""
 
     def jitter(x: float) -> float:
         return x * (1 + rng.uniform(-noise, noise)) if rng is not None else x
@@ -59,10 +61,12 @@ def report(
                     control_pb2.LinkEstimate(
                         peer=p.node_id,
                         direction=direction,
-                        bytes_per_second=jitter(uplinks[member.node_id]),
                         wire_bytes=int(SAMPLES * CUT_BYTES / len(peers)),
                     )
                 )
+        total = sum(e.wire_bytes for e in estimates)
+        for e in estimates:
+            e.bytes_per_second = jitter(uplinks[member.node_id] * e.wire_bytes / total)
         member.telemetry = control_pb2.Telemetry(
             node_id=member.node_id,
             stage=s,
@@ -306,3 +310,34 @@ def test_a_rebalance_leaves_every_stage_one_of_the_replicas_it_had() -> None:
         had = placement.replica_counts(assignment, n_stages)
         leaving = placement.replica_counts({m.node_id: m.from_stage for m in moves}, n_stages)
         assert all(leaving[s] < had[s] for s in range(n_stages) if had[s]), (assignment, moves)
+
+
+def test_links_limited_each_on_their_own_carry_their_sum_at_the_split_they_see() -> None:
+    # Two peers at 1e5 B/s each (the testnet's per-peer send limit), an even split: 2e5.
+    assert fleet_model.links_carry([(500.0, 1e5, False), (500.0, 1e5, False)]) == 2e5
+    # A 3:1 split: the link with 3/4 of the bytes fills first, at 1e5 / 0.75 for the node.
+    three_to_one = [(750.0, 1e5, False), (250.0, 1e5, False)]
+    assert fleet_model.links_carry(three_to_one) == pytest.approx(1e5 / 0.75)
+    # One uplink shared while busy: each meter sees its share, the node its uplink.
+    shared = [(750.0, 7.5e4, False), (250.0, 2.5e4, False)]
+    assert fleet_model.links_carry(shared) == pytest.approx(1e5)
+    assert fleet_model.links_carry([]) == math.inf
+
+
+def test_the_reduce_at_the_barrier_adds_its_seconds_to_the_pipelines() -> None:
+    # 900 bytes over the pipeline's link take 9 ms, 100 over the reduce's 1 ms after them:
+    # 1000 bytes in 10 ms, though both links could carry theirs at once.
+    links = [(900.0, 1e5, False), (100.0, 1e5, True)]
+    assert fleet_model.links_carry(links) == pytest.approx(1e5)
+
+
+def test_a_sender_whose_link_fell_does_not_make_its_receivers_look_slow() -> None:
+    m = make(3)
+    layout = {"a": 0, "c": 1, "x": 1, "e": 2}
+    for name, stage in layout.items():
+        serve(m, name, stage)
+    report(m, dict.fromkeys(layout, 10.0), {"a": 1e6, "c": 1e6, "x": 1e4, "e": 1e6})
+    _, caps = m.fleet(m.live())
+    assert caps["x"].bandwidth_out == pytest.approx(1e4)
+    # a hears from c (1e6 x its half of c's bytes) and from x (1e4 x half): the sum.
+    assert caps["a"].bandwidth_in == pytest.approx(0.5e6 + 0.5e4)
