@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 MARK = "swarmpipe-fuzz:"
+TIMEOUT_EXIT = 70
+"""The fuzz process's exit code when an input ran past the time bound (libFuzzer's
+`-timeout_exitcode`, set explicitly)."""
 START_MARGIN_S = 60.0
 """Wall-clock allowance over a target's fuzzing time for its start (imports, seeds) and end."""
 CORPUS_ROOT = Path(__file__).resolve().parent.parent / "tests" / "fuzz" / "corpus"
@@ -94,6 +97,8 @@ def fuzz_target(
         flags = [
             f"-seed={seed}",
             f"-timeout={timeout_s}",
+            # The exit code says "hang" even when libFuzzer's report line is lost.
+            f"-timeout_exitcode={TIMEOUT_EXIT}",
             f"-max_len={MAX_INPUT_BYTES}",
             f"-artifact_prefix={scratch}/",
             "-print_final_stats=1",
@@ -162,7 +167,7 @@ def parse_output(output: str, returncode: int | None, counts: bytes) -> dict[str
     decoded, refused, skipped = COUNTS.unpack(counts) if len(counts) == COUNTS.size else (0, 0, 0)
     stats = dict(re.findall(r"^stat::(\w+):\s+(\d+)", output, re.M))
     artifact = re.search(r"Test unit written to (\S+)", output)
-    hang = "libFuzzer: timeout" in output
+    hang = "libFuzzer: timeout" in output or returncode == TIMEOUT_EXIT
     out_of_memory = "libFuzzer: out-of-memory" in output or any(
         m.startswith("memory ") for m in marks
     )

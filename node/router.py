@@ -195,12 +195,27 @@ class Router:
         self._in_flight[peer] += 1
         try:
             call = stub.Forward(timeout=timeout)
+
+            async def write(message: stage_pb2.ForwardMessage) -> None:
+                try:
+                    await call.write(message)
+                except asyncio.InvalidStateError:
+                    # The peer ended the call while we still wrote (it refused the header,
+                    # left its stage, died): through client interceptors grpc says so with
+                    # this instead of the call's status. Raise the status, as any failed hop.
+                    raise grpc.aio.AioRpcError(
+                        await call.code(),
+                        await call.initial_metadata(),
+                        await call.trailing_metadata(),
+                        await call.details(),
+                    ) from None
+
             async with self.links.transfer(peer, "activation") as link:
-                await link.write(call.write, stage_pb2.ForwardMessage(microbatch=header))
-                await link.write(call.write, stage_pb2.ForwardMessage(tensor=encoded.header))
+                await link.write(write, stage_pb2.ForwardMessage(microbatch=header))
+                await link.write(write, stage_pb2.ForwardMessage(tensor=encoded.header))
                 for chunk in encoded.chunks:
                     message = stage_pb2.ForwardMessage(chunk=tensor_pb2.TensorChunk(data=chunk))
-                    await link.write(call.write, message)
+                    await link.write(write, message)
             await call.done_writing()
             self.stats.record(peer, "activation", codec, encoded.payload_bytes)
             reader: TensorReader | None = None

@@ -21,13 +21,14 @@ from swarmpipe.node.router import HopError, Router
 from swarmpipe.node.server import read_forward_request
 from swarmpipe.node.transport import EncodeOptions, LinkStats, encode
 from swarmpipe.protos import control_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from swarmpipe.transport.auth import CredentialHolder
 from swarmpipe.transport.rpc import bind, create_server
 
 LOSSLESS = tensor_pb2.CODEC_LOSSLESS
 
 
 class Peer(stage_pb2_grpc.StageServicer):
-    """A stage-1 replica that behaves as told: 'ok', 'refuse', 'abort' or 'hang'."""
+    """A stage-1 replica that behaves as told: 'ok', 'refuse', 'early', 'abort' or 'hang'."""
 
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour
@@ -39,6 +40,9 @@ class Peer(stage_pb2_grpc.StageServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[stage_pb2.BackwardMessage]:
         self.calls += 1
+        if self.behaviour == "early":  # refuses at the header, before the tensor is sent
+            await request_iterator.__anext__()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "refused at the header")
         _, activation = await read_forward_request(request_iterator)
         if self.behaviour == "refuse":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
@@ -214,3 +218,19 @@ async def test_a_sender_that_gives_up_makes_no_further_tries(swarm: Swarm, route
     # The first try always goes out; none after it, though another replica was left.
     assert swarm.peers["bad"].calls + swarm.peers["worse"].calls == 1
     await router.close()
+
+
+async def test_a_peer_that_ends_the_call_while_we_write_is_a_failed_hop(swarm: Swarm) -> None:
+    # Through the credential's client interceptors, grpc answers a write to a call the
+    # server already ended with InvalidStateError; it once escaped the router and took the
+    # whole node down ("internal error") when a downstream replica died mid-transfer.
+    await swarm.add("early", "early")
+    await swarm.add("ok", "ok")
+    router = Router("head", LinkStats(), Links(), seed=7, credential=CredentialHolder())
+    router.configure(load_config(None, ["pipeline.hop_timeout_s=60"]).pipeline)
+    router.set_plan(swarm.plan({"early": 1000.0, "ok": 1.0}))
+    activation = torch.randn(2, 1 << 20)  # 8 MiB: writes go on after the refusal
+    for n in range(3):
+        hop = await router.send_rerouting(1, _header(n), activation, codec=LOSSLESS, attempts=3)
+        assert hop.peer == "ok"
+    assert swarm.peers["early"].calls >= 1
