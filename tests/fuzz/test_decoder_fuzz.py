@@ -55,7 +55,8 @@ def test_the_harness_reports_a_crash_a_hang_and_a_memory_bomb(
     # The hang's input takes forever: a 1 s bound finds it at once.
     timeout_s = 1 if how == "hang" else 20
     report = fuzz_target(f"misbehave-{how}", runs=RUNS, seed=22, timeout_s=timeout_s, keep=tmp_path)
-    assert report[field] == 1, report
+    summary = {k: report.get(k) for k in ("inputs", "problem", "returncode", "seconds")}
+    assert report[field] == 1, (summary, report.get("output_tail"))
     assert sum(report[f] for f in ("crashes", "hangs", "memory_overruns")) == 1, report
     assert report["problem"].startswith(problem), report
     assert report["crash_input"] and len(Path(report["crash_input"]).read_bytes()) >= 2
