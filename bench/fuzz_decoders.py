@@ -167,9 +167,15 @@ def parse_output(output: str, returncode: int | None, counts: bytes) -> dict[str
     decoded, refused, skipped = COUNTS.unpack(counts) if len(counts) == COUNTS.size else (0, 0, 0)
     stats = dict(re.findall(r"^stat::(\w+):\s+(\d+)", output, re.M))
     artifact = re.search(r"Test unit written to (\S+)", output)
-    hang = "libFuzzer: timeout" in output or returncode == TIMEOUT_EXIT
-    out_of_memory = "libFuzzer: out-of-memory" in output or any(
-        m.startswith("memory ") for m in marks
+    # libFuzzer's alarm says so first; what it does next (a traceback through Python) can
+    # end the process as an out-of-memory under the address-space cap, exit 71, not 70.
+    hang = (
+        "libFuzzer: timeout" in output
+        or returncode == TIMEOUT_EXIT
+        or "ALARM: working on the last Unit" in output
+    )
+    out_of_memory = not hang and (
+        "libFuzzer: out-of-memory" in output or any(m.startswith("memory ") for m in marks)
     )
     crashed = not out_of_memory and (
         any(m.startswith(("crash ", "wrong-result ")) for m in marks)
