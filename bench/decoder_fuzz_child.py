@@ -11,8 +11,15 @@ protobuf are not instrumented: their code is not what is under test).
 Memory is bounded twice, both from the target's `memory_bound` (derived from the limits its
 decoder is given): after the target is built and its seeds ran once, the address space is
 capped at what the process then has plus the bound, so an allocation bomb fails there and
-then (MemoryError, or torch's "can't allocate memory"), and libFuzzer's -rss_limit_mb
-catches memory that is allocated and touched bit by bit.
+then (MemoryError, or torch's "can't allocate memory"), and a watch thread here catches
+memory that is allocated and touched bit by bit (resident memory past the baseline plus the
+bound ends the process, exit RSS_EXIT, with the input kept).
+
+Memory is read from /proc/self/status (VmRSS, VmHWM), never from getrusage's ru_maxrss:
+Linux carries ru_maxrss over from the process that started this one (a fork's copy of the
+parent's pages counts, and exec keeps the figure), so a child of a large test session
+"starts" at the session's peak. libFuzzer's own -rss_limit_mb reads that figure, fired on
+inputs that allocate nothing, and is switched off here for that reason.
 
 Per input, what the target did (decoded, refused, skipped) is counted in COUNTS_FILE, a small
 mmapped file, because libFuzzer exits without running Python's exit handlers.
@@ -22,16 +29,24 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import resource
 import struct
 import sys
+import threading
+import time
 from pathlib import Path
 
 import atheris  # type: ignore[import-untyped]  # ships no type information
 
-COUNTS = struct.Struct("<QQQ")
+COUNTS = struct.Struct("<QQQQ")
 """COUNTS_FILE: inputs decoded, refused with a documented error, and skipped (not messages
-our request parser lets through, so never handed to the decoder)."""
+our request parser lets through, so never handed to the decoder); then the process's peak
+resident memory in KiB (VmHWM) after the last input."""
+RSS_EXIT = 72
+"""The exit code when resident memory ran past the limit (the watch thread's doing)."""
+WATCH_EVERY_S = 0.1
+"""How often the watch thread reads resident memory."""
 MARK = "swarmpipe-fuzz:"
 """Prefix of the lines the parent reads."""
 JUMP_KIB = 2 << 10
@@ -43,10 +58,23 @@ malloc arena (asyncio.to_thread), libFuzzer's own tables."""
 
 
 def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
+    with open("/proc/self/status", "rb") as status:
+        for line in status:
+            if line.startswith(field.encode() + b":"):
+                return int(line.split()[1])
     return 0
+
+
+def _watch_rss(limit_kib: int, current: list[bytes], failing: Path) -> None:
+    """End the process when resident memory passes `limit_kib`, keeping the input at work."""
+    while True:
+        time.sleep(WATCH_EVERY_S)
+        rss = _status_kib("VmRSS")
+        if rss > limit_kib:
+            failing.write_bytes(current[0])
+            line = f"{MARK} memory resident {rss >> 10} MiB past the limit of {limit_kib >> 10} MiB"
+            print(line, file=sys.stderr, flush=True)
+            os._exit(RSS_EXIT)
 
 
 def main(argv: list[str]) -> None:
@@ -63,15 +91,18 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     for seed in seed_inputs(name):  # warm every path the seeds reach before the caps
         run(seed)
+    failing = Path(counts_path).with_name("failing-input")
     counts_file = open(counts_path, "r+b")  # mapped until the process ends
     counts_file.truncate(COUNTS.size)
     counts = mmap.mmap(counts_file.fileno(), COUNTS.size)
     tally = [0, 0, 0]
-    peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]
+    peaks = [_status_kib("VmHWM")]
+    current = [b""]
     refusals = target.refusals
     crash_types = (decoder_targets.Crash,)
 
     def one_input(data: bytes) -> None:
+        current[0] = data
         try:
             decoded = run(data)
         except refusals:
@@ -83,12 +114,12 @@ def main(argv: list[str]) -> None:
             print(f"{MARK} {kind} {type(exc).__name__}: {str(exc)[:500]}", file=sys.stderr)
             # Kept here too: libFuzzer writes its copy after atheris prints the traceback,
             # and its periodic timeout alarm can end the process in between.
-            Path(counts_path).with_name("failing-input").write_bytes(data)
+            failing.write_bytes(data)
             raise
         else:
             tally[0 if decoded else 2] += 1
-        COUNTS.pack_into(counts, 0, *tally)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = _status_kib("VmHWM")
+        COUNTS.pack_into(counts, 0, *tally, peak)
         if sum(tally) == 1:
             # libFuzzer sets up its tables (some 25 MiB) around the first input, which is
             # empty: the decoders' growth is measured from after it.
@@ -105,6 +136,10 @@ def main(argv: list[str]) -> None:
     if hard == resource.RLIM_INFINITY or address_space < hard:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, hard))
     rss_limit_mb = (baseline_kib * 1024 + target.memory_bound + SLACK_BYTES) >> 20
+    watch = threading.Thread(
+        target=_watch_rss, args=(rss_limit_mb << 10, current, failing), daemon=True
+    )
+    watch.start()
     info = {
         "target": name,
         "baseline_rss_kib": baseline_kib,
@@ -128,9 +163,9 @@ def main(argv: list[str]) -> None:
         result: bytes = atheris.Mutate(data, max_size)
         return result
 
-    atheris.Setup(
-        [argv[0], f"-rss_limit_mb={rss_limit_mb}", *flags], one_input, custom_mutator=mutate
-    )
+    # libFuzzer's RSS limit reads ru_maxrss (see the module's docstring): the thread above
+    # does its job.
+    atheris.Setup([argv[0], "-rss_limit_mb=0", *flags], one_input, custom_mutator=mutate)
     atheris.Fuzz()
 
 

@@ -164,7 +164,8 @@ def parse_output(output: str, returncode: int | None, counts: bytes) -> dict[str
             jumps.append(int(line.split("+")[1].split()[0]))
         elif line.startswith(MARK):
             marks.append(line.removeprefix(MARK).strip())
-    decoded, refused, skipped = COUNTS.unpack(counts) if len(counts) == COUNTS.size else (0, 0, 0)
+    tallied = COUNTS.unpack(counts) if len(counts) == COUNTS.size else (0, 0, 0, 0)
+    decoded, refused, skipped, peak_kib = tallied
     stats = dict(re.findall(r"^stat::(\w+):\s+(\d+)", output, re.M))
     artifact = re.search(r"Test unit written to (\S+)", output)
     # libFuzzer's alarm says so first; what it does next (a traceback through Python) can
@@ -188,7 +189,9 @@ def parse_output(output: str, returncode: int | None, counts: bytes) -> dict[str
         problem = "the process ran past its memory bound"
     elif returncode not in (0, None) and problem is None:
         problem = f"the fuzz process exited with {returncode}"
-    peak_mb = int(stats.get("peak_rss_mb", 0))
+    # The child's own VmHWM: libFuzzer's peak_rss_mb is ru_maxrss, which starts at the
+    # parent's peak (see decoder_fuzz_child).
+    peak_mb = peak_kib >> 10
     # From after libFuzzer's own setup (its first input), when that line came.
     baseline_mb = (fuzzing_from_kib or start.get("baseline_rss_kib", 0)) / 1024
     return {

@@ -9,6 +9,9 @@ input. `swarmpipe bench fuzz-decoders --seconds N` runs the same targets for lon
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,7 @@ def test_decoder_survives_its_corpus_and_mutations(target: str, tmp_path: Path) 
         ("crash", "crashes", "crash KeyError"),
         ("hang", "hangs", "an input ran past the time bound"),
         ("memory", "memory_overruns", "memory RuntimeError"),
+        ("leak", "memory_overruns", "memory resident"),
     ],
 )
 def test_the_harness_reports_a_crash_a_hang_and_a_memory_bomb(
@@ -60,6 +64,30 @@ def test_the_harness_reports_a_crash_a_hang_and_a_memory_bomb(
     assert sum(report[f] for f in ("crashes", "hangs", "memory_overruns")) == 1, report
     assert report["problem"].startswith(problem), report
     assert report["crash_input"] and len(Path(report["crash_input"]).read_bytes()) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_large_parent_does_not_make_the_child_look_large(tmp_path: Path) -> None:
+    # Linux hands a child its parent's peak RSS as its own ru_maxrss: in CI the harness runs
+    # from a test session of gigabytes, and libFuzzer's RSS limit (which reads ru_maxrss)
+    # once ended the hang check as "out of memory" before any input ran long.
+    script = (
+        "import json, sys\n"
+        "ballast = bytearray(2 << 30)\n"
+        "ballast[::4096] = b'\\1' * len(range(0, len(ballast), 4096))\n"
+        "from swarmpipe.bench.fuzz_decoders import fuzz_target\n"
+        "r = fuzz_target('misbehave-hang', runs=50, seed=22, timeout_s=1, keep=sys.argv[1])\n"
+        "print(json.dumps(r))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (report["hangs"], report["memory_overruns"]) == (1, 0), report
+    # The peak is the child's own, far under the 2 GiB its parent held.
+    assert report["peak_rss_mb"] < 1024, report
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
