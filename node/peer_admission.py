@@ -1,13 +1,14 @@
 """Which callers a node's Stage server lets in: nodes of the current plan, by credential.
 
-Every call but the health check and reflection needs a credential signed by the run's
-coordinator (transport/auth.py), checked with the public key the node got at Join; before
-Join the node admits nobody. A caller must then be in the current plan (a replica of any
-stage, or a node the plan moves), except for FetchState, which a node admitted to this
-stage may call before it is in any plan (the stage its credential names, or a move to this
-stage). A node the organiser revoked or drained is in no stage of the plan, so its calls
-are refused from the plan that drops it. The Reduce and Forward handlers check in turn that
-the sender a message names is the caller (`caller`).
+Every call but the health check needs a credential signed by the run's coordinator
+(transport/auth.py), checked with the public key the node got at Join; before Join the
+node admits nobody. Reflection shows every service to any node of the run (in the plan or
+not) and the health service alone to anyone else. A caller must then be in the current
+plan (a replica of any stage, or a node the plan moves), except for FetchState, which a
+node admitted to this stage may call before it is in any plan (the stage its credential
+names, or a move to this stage). A node the organiser revoked or drained is in no stage of
+the plan, so its calls are refused from the plan that drops it. The Reduce and Forward
+handlers check in turn that the sender a message names is the caller (`caller`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from swarmpipe.protos import control_pb2
 from swarmpipe.transport.auth import (
+    REFLECTION,
     ROLE_COORDINATOR,
     Claim,
     Refusal,
@@ -42,7 +44,7 @@ class PeerAdmission:
         claim = caller_claim(self.verifier, metadata)
         if isinstance(claim, Refusal):
             return claim
-        if claim.role == ROLE_COORDINATOR:
+        if claim.role == ROLE_COORDINATOR or method.startswith(REFLECTION):
             return None
         plan = self.plan
         if plan is None:

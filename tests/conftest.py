@@ -77,6 +77,26 @@ class WithMetadata(
         return continuation(self._details(details), requests)
 
 
+GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+
+
+def grpcurl_protos(folder: Path) -> list[str]:
+    """grpcurl flags that read our services from the .proto files, as a stranger with the
+    source would (reflection shows a caller without a credential the health service only).
+    The files import each other as `swarmpipe/protos/...`: `folder` gets that link."""
+    root = folder / "proto-root"
+    root.mkdir(parents=True, exist_ok=True)
+    link = root / "swarmpipe"
+    if not link.exists():
+        link.symlink_to(REPO, target_is_directory=True)
+    files = ("coordinator.proto", "stage.proto")
+    return [
+        "-import-path",
+        str(root),
+        *(a for f in files for a in ("-proto", f"swarmpipe/protos/{f}")),
+    ]
+
+
 def organiser_channel(target: str, state_dir: Path) -> grpc.Channel:
     """A channel to the coordinator at `target` whose calls carry the organiser's token
     (`state_dir/admin-token`), as `swarmpipe status --admin-token-file` sends it."""
@@ -178,12 +198,16 @@ class Procs:
         info: dict[str, Any] = poll_until(serving, timeout, f"{name} to serve")
         return info
 
+    def credential(self, node_id: str = "test", role: str = ROLE_COORDINATOR) -> str:
+        """A credential the coordinator's run key signed (by default as the coordinator's)."""
+        state_dir = self.tmp / "coordinator-state"
+        (run_id,) = [p.name for p in (state_dir / "checkpoints").iterdir()]
+        return RunKey.load_or_create(state_dir, run_id).issue(node_id, role=role)
+
     def peer_channel(self, port: int, node_id: str = "test") -> grpc.Channel:
         """A channel to the node on `port` whose calls carry a credential the coordinator's
         run key signed (as the coordinator's own), so a test can talk to a node directly."""
-        state_dir = self.tmp / "coordinator-state"
-        (run_id,) = [p.name for p in (state_dir / "checkpoints").iterdir()]
-        credential = RunKey.load_or_create(state_dir, run_id).issue(node_id, role=ROLE_COORDINATOR)
+        credential = self.credential(node_id)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         return grpc.intercept_channel(channel, WithMetadata(((CREDENTIAL_KEY, credential),)))
 

@@ -11,8 +11,13 @@ A credential travels as the gRPC metadata `swarmpipe-credential` on every call
 (`CredentialHolder` + the client interceptors that `transport.rpc.open_channel` installs).
 Servers check it in `AuthInterceptor` before any of the request is read: no credential or
 a bad one is UNAUTHENTICATED; a valid one that the server's policy refuses (a node not in the
-plan, a revoked token) is PERMISSION_DENIED. The standard health check and server reflection
-stay open (reflection serves only the public schema; grpcurl needs it to name methods).
+plan, a revoked token) is PERMISSION_DENIED. The standard health check stays open. Server
+reflection answers everyone, but what it shows depends on the caller: a caller the policy
+admits to reflection (a node of the run; the organiser at the coordinator) sees every
+service, anyone else sees only the health service, so `grpcurl host
+grpc.health.v1.Health/Check` works for a load balancer or a stranger while a port shows a
+stranger nothing of what it serves (a stranger with our .proto files still meets
+UNAUTHENTICATED on every method).
 
 Without TLS a credential is a bearer secret: whoever sees it on the wire can replay it. The
 claim is the place to bind it to more when TLS arrives (a certificate fingerprint, checked
@@ -48,8 +53,11 @@ JOIN_TOKEN_KEY = "swarmpipe-join-token"
 ADMIN_TOKEN_KEY = "swarmpipe-admin-token"
 """Metadata carrying the organiser's token, for Status, Drain and Move."""
 
-OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/")
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 """Methods every caller may use, credential or not."""
+REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
+"""Server reflection: whole for the callers a policy admits, the health service alone for
+the rest."""
 
 ROLE_NODE = "node"
 ROLE_COORDINATOR = "coordinator"
@@ -328,6 +336,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # unty
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.refused = 0
+        self._public_reflection = _public_reflection_handler()
 
     async def intercept_service(
         self,
@@ -341,8 +350,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # unty
         refusal = self.policy(method, details.invocation_metadata)
         if refusal is None:
             return handler
+        if method.startswith(REFLECTION):
+            return self._public_reflection
         self.refused += 1
         return _refuse(handler, refusal)
+
+
+def _public_reflection_handler() -> grpc.RpcMethodHandler:
+    """Reflection that lists and describes the health service (and itself) only."""
+    from grpc_health.v1 import health
+    from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+    from swarmpipe.transport.request_parsing import method_handlers
+
+    servicer = reflection.aio.ReflectionServicer([health.SERVICE_NAME, reflection.SERVICE_NAME])
+    service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+    return method_handlers(servicer, service)["ServerReflectionInfo"]
 
 
 def unauthenticated(message: str) -> Refusal:

@@ -223,6 +223,13 @@ def _handler(servicer: object, method: MethodDescriptor, log: BadRequestLog) -> 
     )
 
 
+def method_handlers(
+    servicer: object, service: ServiceDescriptor, log: BadRequestLog = BAD_REQUESTS
+) -> dict[str, grpc.RpcMethodHandler]:
+    """Each method of `service` by name, as the handler `add_servicer` registers."""
+    return {method.name: _handler(servicer, method, log) for method in service.methods}
+
+
 def add_servicer(
     server: grpc.aio.Server,
     servicer: object,
@@ -232,7 +239,7 @@ def add_servicer(
     """Register `servicer` for every method of `service` (what `add_XServicer_to_server`
     does), parsing requests in our code so a message that does not parse is INVALID_ARGUMENT
     and one rate-limited line."""
-    handlers = {method.name: _handler(servicer, method, log) for method in service.methods}
+    handlers = method_handlers(servicer, service, log)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )

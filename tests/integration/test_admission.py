@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import aiomqtt
@@ -17,12 +15,11 @@ import pytest
 from swarmpipe.control.bus import BrokerAddress, Topics, make_client, parse_broker_url
 from swarmpipe.coordinator.tokens import TokenStore
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.transport.auth import RunKey
-from tests.conftest import Procs, organiser_channel
+from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, RunKey
+from tests.conftest import GRPCURL, Procs, grpcurl_protos, organiser_channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
 RUN = "testnet"
 """The default config's run_id."""
 
@@ -36,23 +33,20 @@ def _closed_run(procs: Procs, *settings: str) -> tuple[str, str, dict[str, Any]]
     return coordinator, token, ready
 
 
-def _grpcurl(target: str, method: str, data: str = "{}") -> subprocess.CompletedProcess[str]:
+def _grpcurl(*args: str, data: str = "{}") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [GRPCURL, "-plaintext", "-max-time", "20", "-d", data, target, method],
+        [GRPCURL, "-plaintext", "-max-time", "20", "-d", data, *args],
         capture_output=True,
         text=True,
         timeout=60,
     )
 
 
-def _methods(target: str, service: str) -> list[str]:
+def _listed(*args: str) -> list[str]:
     listed = subprocess.run(
-        [GRPCURL, "-plaintext", target, "list", service],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
+        [GRPCURL, "-plaintext", *args, "list"], capture_output=True, text=True, timeout=30
     )
+    assert listed.returncode == 0, listed.stderr
     return listed.stdout.split()
 
 
@@ -74,20 +68,30 @@ def test_grpcurl_without_credentials_is_unauthenticated_everywhere_but_health(
         "swarmpipe.v1.Coordinator.Drain": '{"node_id": "n1"}',
         "swarmpipe.v1.Coordinator.Join": '{"node_id": "n9", "address": "127.0.0.1:9"}',
     }
+    # Reflection shows a stranger the health service alone; our services come from the
+    # .proto files, as anyone with the source has them.
+    protos = grpcurl_protos(procs.tmp)
     checked = []
     for target, service in [
         (coordinator, "swarmpipe.v1.Coordinator"),
         (node, "swarmpipe.v1.Stage"),
     ]:
-        methods = _methods(target, service)
+        assert service not in _listed(target), target
+        assert "grpc.health.v1.Health" in _listed(target), target
+        methods = subprocess.run(
+            [GRPCURL, *protos, "list", service], capture_output=True, text=True, check=True
+        ).stdout.split()
         assert len(methods) >= 4, methods
         for method in methods:
-            done = _grpcurl(target, method, as_replica.get(method, "{}"))
+            done = _grpcurl(*protos, target, method, data=as_replica.get(method, "{}"))
             assert done.returncode != 0, (method, done.stdout)
             assert "Code: Unauthenticated" in done.stderr, (method, done.stderr)
             checked.append(method)
         health = _grpcurl(target, "grpc.health.v1.Health/Check")
         assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
+    # The organiser's token shows the coordinator's whole schema through reflection.
+    admin = (procs.tmp / "coordinator-state" / "admin-token").read_text().strip()
+    assert "swarmpipe.v1.Coordinator" in _listed("-H", f"{ADMIN_TOKEN_KEY}: {admin}", coordinator)
     assert "swarmpipe.v1.Stage.Reduce" in checked and "swarmpipe.v1.Coordinator.Status" in checked
     # The swarm itself still trains: its nodes hold credentials.
     status = subprocess.run(

@@ -22,7 +22,7 @@ from swarmpipe.control.bus import make_client, parse_broker_url
 from swarmpipe.coordinator.tokens import TokenStore
 from swarmpipe.transport import tls
 from swarmpipe.transport.auth import CREDENTIAL_KEY, RunKey
-from tests.conftest import Procs
+from tests.conftest import Procs, grpcurl_protos
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -85,7 +85,9 @@ def test_grpcurl_needs_tls_and_a_node_needs_a_client_certificate_of_the_caller(
     _, token = TokenStore(state).create(expires_s=None, note="test")
     args = ["coordinator", "--listen", "127.0.0.1:0", "--tls", "--state-dir", str(state),
             "--stay"]  # fmt: skip
-    for s in [*tiny, "pipeline.stages=2", "train.steps=1000"]:
+    # Steps enough that the run outlasts the checks (1000 tiny steps once ended first and
+    # the nodes left: "connection refused"); the fixture stops it.
+    for s in [*tiny, "pipeline.stages=2", "train.steps=1000000"]:
         args += ["--set", s]
     _, ready = procs.start("coordinator", *args)
     coordinator = f"127.0.0.1:{ready['grpc_port']}"
@@ -107,7 +109,8 @@ def test_grpcurl_needs_tls_and_a_node_needs_a_client_certificate_of_the_caller(
     as_coordinator = ["-cacert", ca_file, "-servername", tls.COORDINATOR_NAME]
     done = _grpcurl(*as_coordinator, coordinator, health)
     assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
-    done = _grpcurl(*as_coordinator, coordinator, "swarmpipe.v1.Coordinator/Status")
+    protos = grpcurl_protos(procs.tmp)
+    done = _grpcurl(*as_coordinator, *protos, coordinator, "swarmpipe.v1.Coordinator/Status")
     assert "Code: Unauthenticated" in done.stderr, done.stderr
     # A node with only the CA (no client certificate): no handshake, no call of any kind.
     as_node = ["-cacert", ca_file, "-servername", tls.NODE_NAME]
@@ -122,7 +125,7 @@ def test_grpcurl_needs_tls_and_a_node_needs_a_client_certificate_of_the_caller(
     (procs.tmp / "n7.pem").write_bytes(ca.issue_node("n7", tls.public_pem(key)))
     stolen = RunKey.load_or_create(state, RUN).issue("n1", stage=1)
     with_cert = [*as_node, "-cert", str(procs.tmp / "n7.pem"), "-key", str(procs.tmp / "n7.key")]
-    done = _grpcurl(*with_cert, "-H", f"{CREDENTIAL_KEY}: {stolen}", node, info_rpc)
+    done = _grpcurl(*with_cert, *protos, "-H", f"{CREDENTIAL_KEY}: {stolen}", node, info_rpc)
     assert "Code: PermissionDenied" in done.stderr and "'n7'" in done.stderr, done.stderr
     # The same certificate passes the handshake: the health check answers over mutual TLS.
     done = _grpcurl(*with_cert, node, health)

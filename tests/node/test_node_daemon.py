@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +27,8 @@ from swarmpipe.protos import (
     stage_pb2_grpc,
     tensor_pb2,
 )
+from swarmpipe.transport.auth import CREDENTIAL_KEY
+from tests.conftest import GRPCURL
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -158,40 +159,32 @@ def test_malformed_message_order_is_invalid_argument(last_stage) -> None:  # typ
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_grpcurl_sees_health_and_reflection(last_stage) -> None:  # type: ignore[no-untyped-def]
+def test_grpcurl_without_a_credential_sees_the_health_service_only(
+    last_stage, module_procs
+) -> None:  # type: ignore[no-untyped-def]
     _, info = last_stage
-    grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
     target = f"127.0.0.1:{info['grpc_port']}"
-    listed = subprocess.run(
-        [grpcurl, "-plaintext", target, "list"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout.split()
-    assert "swarmpipe.v1.Stage" in listed and "grpc.health.v1.Health" in listed
-    health = subprocess.run(
-        [
-            grpcurl,
-            "-plaintext",
-            "-d",
-            '{"service": "swarmpipe.v1.Stage"}',
-            target,
-            "grpc.health.v1.Health/Check",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
+
+    def grpcurl(*args: str) -> str:
+        done = subprocess.run(
+            [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    # Reflection shows a stranger what a load balancer needs, and nothing of what the
+    # node serves.
+    listed = grpcurl(target, "list").split()
+    assert "grpc.health.v1.Health" in listed and "swarmpipe.v1.Stage" not in listed
+    health = grpcurl(
+        "-d", '{"service": "swarmpipe.v1.Stage"}', target, "grpc.health.v1.Health/Check"
+    )
     assert json.loads(health)["status"] == "SERVING"
-    described = subprocess.run(
-        [grpcurl, "-plaintext", target, "describe", "swarmpipe.v1.Stage"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
+    # Reflection is whole for a caller the node admits: a credential of its run.
+    credential = module_procs.credential("n9", role="node")
+    described = grpcurl(
+        "-H", f"{CREDENTIAL_KEY}: {credential}", target, "describe", "swarmpipe.v1.Stage"
+    )
     assert "rpc Forward ( stream .swarmpipe.v1.ForwardMessage )" in described
 
 
