@@ -505,6 +505,10 @@ class CoordinatorConfig:
     """How far ahead a move's gain is weighed against its cost (the state download)."""
     move_overhead_s: float = 30.0
     """Seconds a move costs besides the download (restart, build, connect, enter the plan)."""
+    node_cert_hours: float = 168.0
+    """How long a node's TLS certificate (a run with --tls) is valid. A node renews it with
+    the coordinator once two thirds of that time have passed, so a run may last any length
+    of time; a short life limits what a stolen node key is good for."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 0:
@@ -515,6 +519,10 @@ class CoordinatorConfig:
             raise ConfigError("coordinator.lease_timeout_s must be positive")
         if self.restart_grace_s <= 0:
             raise ConfigError("coordinator.restart_grace_s must be positive")
+        if not 0.01 <= self.node_cert_hours <= 24 * 366:  # NaN fails too
+            raise ConfigError(
+                "coordinator.node_cert_hours must be between 0.01 (36 s) and 8784 (a year)"
+            )
         placement_knobs = (
             self.rebalance_every_s,
             self.move_cooldown_s,

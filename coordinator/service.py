@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -129,6 +130,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._savers: dict[int, str] = {}
         """Stage -> the replica asked to store its final state."""
         self.joins = 0
+        self.certificates_renewed = 0
         self.departures = 0
         self.move_records: list[coordinator_pb2.MoveRecord] = []
         self.suspects = Suspects(bench_s=config.robust.bench_s)
@@ -459,7 +461,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     "this run uses TLS: the node must send a public key for its certificate",
                 )
             try:
-                tls_cert = self.ca.issue_node(request.node_id, request.tls_public_key)
+                tls_cert = self.ca.issue_node(
+                    request.node_id, request.tls_public_key, lifetime=self._node_cert_lifetime
+                )
             except TLSError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # The joiner serves only once it holds its stage's current state (Ready).
@@ -488,6 +492,36 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             tls_certificate=tls_cert,
             tls_ca_certificate=self.ca.cert_pem if self.ca is not None else b"",
         )
+
+    @property
+    def _node_cert_lifetime(self) -> datetime.timedelta:
+        return datetime.timedelta(hours=self.config.coordinator.node_cert_hours)
+
+    async def RenewCertificate(
+        self,
+        request: coordinator_pb2.RenewCertificateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> coordinator_pb2.RenewCertificateReply:
+        """A new certificate for a node of the run, before its old one expires. Its
+        credential (checked like every call's, revoked tokens refused) says who it is."""
+        await self._check_caller(request.node_id, context)
+        if self.ca is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this run does not use TLS")
+            raise AssertionError("unreachable: abort raises")
+        if request.node_id not in self.membership.members:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"node {request.node_id!r} is not in the run"
+            )
+        try:
+            cert = self.ca.issue_node(
+                request.node_id, request.tls_public_key, lifetime=self._node_cert_lifetime
+            )
+        except TLSError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable: abort raises") from exc
+        self.certificates_renewed += 1
+        logger.info("node %s renewed its TLS certificate", request.node_id)
+        return coordinator_pb2.RenewCertificateReply(tls_certificate=cert)
 
     async def _check_caller(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
         """Refuse a call whose request names another node than its credential does

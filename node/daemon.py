@@ -165,6 +165,9 @@ class NodeDaemon:
         """The organiser revoked this node's join token (node/main.py exits 4)."""
         self.router = Router(self.node_id, self.stats, self.links, credential=self.credential)
         self._tls_key = tls.new_key() if options.ca_pem else None
+        self._certificate = b""
+        """The node's TLS certificate (PEM) now: from Join, then each renewal."""
+        self.certificates_renewed = 0
         """This node's TLS key; the coordinator signs its public half at Join."""
         self._server_tls = tls.NodeServerTLS(self.node_id) if options.ca_pem else None
         coordinator_tls = (
@@ -351,6 +354,8 @@ class NodeDaemon:
             await self._open_bus(broker, self._topics, will)
             self._spawn(self._bus_loop(broker, will, config.coordinator.restart_grace_s))
             self._spawn(self._start_serving(joined))
+            if self._server_tls is not None:
+                self._spawn(self._renew_certificate())
             await self.status.wait_stop()
             await self._drain()
             await self.joined.checkpointer.close()
@@ -399,6 +404,49 @@ class NodeDaemon:
         key = tls.key_pem(self._tls_key)
         self._server_tls.install(key, reply.tls_certificate, ca_pem)
         self.router.tls = tls.ChannelTLS(ca_pem, tls.NODE_NAME, key, reply.tls_certificate)
+        self._certificate = reply.tls_certificate
+
+    async def _renew_certificate(self) -> None:
+        """Renew this node's TLS certificate (a new key each time) once two thirds of what
+        was left of it at issue have passed; a refused or failed renewal is tried again
+        until the certificate expires, and only then stops the node."""
+        assert self._server_tls is not None
+        ca_pem = self.options.ca_pem
+        wait = tls.seconds_left(self._certificate) * 2 / 3
+        while True:
+            await asyncio.sleep(max(1.0, wait))
+            key = tls.new_key()
+            request = coordinator_pb2.RenewCertificateRequest(
+                node_id=self.node_id, tls_public_key=tls.public_pem(key)
+            )
+            try:
+                reply = await self.coordinator.call("RenewCertificate", request)
+                tls.check_node_cert(ca_pem, reply.tls_certificate, self.node_id)
+            except (grpc.aio.AioRpcError, SwarmpipeError) as exc:
+                why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                left = tls.seconds_left(self._certificate)
+                if left <= 0:
+                    raise SwarmpipeError(
+                        f"this node's TLS certificate expired and could not be renewed: {why}"
+                    ) from exc
+                wait = min(60.0, left / 10)
+                logger.warning(
+                    "could not renew the TLS certificate (%s); it expires in %.0f s, trying "
+                    "again in %.0f s",
+                    why,
+                    left,
+                    max(1.0, wait),
+                )
+                continue
+            key_bytes = tls.key_pem(key)
+            self._server_tls.install(key_bytes, reply.tls_certificate, ca_pem)
+            self.router.set_tls(
+                tls.ChannelTLS(ca_pem, tls.NODE_NAME, key_bytes, reply.tls_certificate)
+            )
+            self._certificate = reply.tls_certificate
+            self.certificates_renewed += 1
+            wait = tls.seconds_left(self._certificate) * 2 / 3
+            logger.info("renewed its TLS certificate: valid for %.0f s more", wait * 3 / 2)
 
     def _serve_metrics(self) -> MetricsServer | None:
         """Start the Prometheus endpoint, if asked for; it reads the parts at each scrape."""

@@ -119,6 +119,17 @@ class Router:
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
 
+    def set_tls(self, tls: ChannelTLS) -> None:
+        """Call peers with a renewed certificate: new calls get new channels; the old ones
+        close once their calls had a hop's deadline to end (a TLS connection outlives the
+        certificate it began with, but a reconnect would present the expired one)."""
+        self.tls = tls
+        old, self._channels = self._channels, {}
+        for channel in old.values():
+            task = asyncio.ensure_future(channel.close(grace=self.health.max_deadline_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     def pick(self, stage: int, avoid: frozenset[str] = frozenset()) -> control_pb2.Replica:
         """Choose a replica of `stage` at random, weighted by plan weight over in-flight calls.
 

@@ -105,6 +105,51 @@ class JoinReply(_message.Message):
 Global___JoinReply: _TypeAlias = JoinReply  # noqa: Y015
 
 @_typing.final
+class RenewCertificateRequest(_message.Message):
+    """TLS: a node's certificate renewed before it expires, for a new key of the node's."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    TLS_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    tls_public_key: _builtins.bytes
+    """PEM"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        tls_public_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "tls_public_key", b"tls_public_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewCertificateRequest: _TypeAlias = RenewCertificateRequest  # noqa: Y015
+
+@_typing.final
+class RenewCertificateReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TLS_CERTIFICATE_FIELD_NUMBER: _builtins.int
+    tls_certificate: _builtins.bytes
+    """PEM, common name = node id"""
+    def __init__(
+        self,
+        *,
+        tls_certificate: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tls_certificate", b"tls_certificate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewCertificateReply: _TypeAlias = RenewCertificateReply  # noqa: Y015
+
+@_typing.final
 class LeaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

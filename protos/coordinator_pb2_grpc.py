@@ -40,6 +40,11 @@ class CoordinatorStub:
                 request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.JoinRequest.SerializeToString,
                 response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.JoinReply.FromString,
                 _registered_method=True)
+        self.RenewCertificate = channel.unary_unary(
+                '/swarmpipe.v1.Coordinator/RenewCertificate',
+                request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.RenewCertificateRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.RenewCertificateReply.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/swarmpipe.v1.Coordinator/Lease',
                 request_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.LeaseRequest.SerializeToString,
@@ -106,6 +111,12 @@ class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewCertificate(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -195,6 +206,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.JoinRequest.FromString,
                     response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.JoinReply.SerializeToString,
             ),
+            'RenewCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewCertificate,
+                    request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.RenewCertificateRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_coordinator__pb2.RenewCertificateReply.SerializeToString,
+            ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
                     request_deserializer=swarmpipe_dot_protos_dot_coordinator__pb2.LeaseRequest.FromString,
@@ -283,6 +299,33 @@ class Coordinator:
             '/swarmpipe.v1.Coordinator/Join',
             swarmpipe_dot_protos_dot_coordinator__pb2.JoinRequest.SerializeToString,
             swarmpipe_dot_protos_dot_coordinator__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.v1.Coordinator/RenewCertificate',
+            swarmpipe_dot_protos_dot_coordinator__pb2.RenewCertificateRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_coordinator__pb2.RenewCertificateReply.FromString,
             options,
             channel_credentials,
             insecure,

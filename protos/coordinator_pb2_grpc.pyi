@@ -33,6 +33,7 @@ class CoordinatorStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> CoordinatorAsyncStub: ...
     Join: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.JoinRequest, _coordinator_pb2.JoinReply]
+    RenewCertificate: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RenewCertificateRequest, _coordinator_pb2.RenewCertificateReply]
     Lease: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseRequest, _coordinator_pb2.LeaseReply]
     Commit: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CommitRequest, _coordinator_pb2.CommitReply]
     Release: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReleaseRequest, _coordinator_pb2.ReleaseReply]
@@ -55,6 +56,7 @@ class CoordinatorStub:
 class CoordinatorAsyncStub(CoordinatorStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Join: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.JoinRequest, _coordinator_pb2.JoinReply]  # type: ignore[assignment]
+    RenewCertificate: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RenewCertificateRequest, _coordinator_pb2.RenewCertificateReply]  # type: ignore[assignment]
     Lease: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseRequest, _coordinator_pb2.LeaseReply]  # type: ignore[assignment]
     Commit: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CommitRequest, _coordinator_pb2.CommitReply]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReleaseRequest, _coordinator_pb2.ReleaseReply]  # type: ignore[assignment]
@@ -80,6 +82,13 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.JoinRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.JoinReply, _abc.Awaitable[_coordinator_pb2.JoinReply]]: ...
+
+    @_abc_1.abstractmethod
+    def RenewCertificate(
+        self,
+        request: _coordinator_pb2.RenewCertificateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RenewCertificateReply, _abc.Awaitable[_coordinator_pb2.RenewCertificateReply]]: ...
 
     @_abc_1.abstractmethod
     def Lease(

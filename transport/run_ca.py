@@ -41,8 +41,9 @@ BROKER_KEY_FILE = "broker-key.pem"
 NODE_NAME = "swarmpipe-node"
 """The DNS name in every node certificate, checked on channels between nodes."""
 NODE_CERT_LIFETIME = datetime.timedelta(days=7)
-"""How long a node certificate is valid. Renewal is not built: a node that runs longer
-must restart (and Join again). Seven days covers the runs we make; shorter would need it."""
+"""How long a node certificate is valid unless told otherwise (the coordinator passes the
+run's `coordinator.node_cert_hours`); a node renews its own (RenewCertificate) once two
+thirds of it have passed."""
 CA_LIFETIME = datetime.timedelta(days=3650)
 _BACKDATE = datetime.timedelta(minutes=5)
 """Certificates start a little in the past, so a volunteer's clock a few minutes behind
@@ -256,6 +257,13 @@ class RunCA:
             usages=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
             now=now,
         )
+
+
+def seconds_left(cert_pem: bytes, *, now: datetime.datetime | None = None) -> float:
+    """Seconds until the certificate expires (negative once it has)."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    now = now or datetime.datetime.now(datetime.UTC)
+    return (cert.not_valid_after_utc - now).total_seconds()
 
 
 def check_node_cert(

@@ -41,6 +41,7 @@ from swarmpipe.transport.run_ca import (
     new_key,
     public_pem,
     read_ca_file,
+    seconds_left,
     throwaway_certificate,
     write_broker_files,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "plaintext_exposure",
     "public_pem",
     "read_ca_file",
+    "seconds_left",
     "server_credentials",
     "write_broker_files",
 ]
