@@ -493,6 +493,11 @@ class CoordinatorConfig:
     """How long nodes keep training without their coordinator (retrying its calls and its
     broker) before they give up and exit 1, and how long a coordinator started again on its
     state database waits for the nodes it remembers to reconnect before they count as gone."""
+    apply_timeout_s: float = 0.0
+    """How long a step's APPLY waits for a node's acknowledgement. A node still owing it
+    then leaves the step (logged): the step completes without it and the node fetches its
+    stage's state again. 0: pipeline.reduce_timeout_s plus 30 s (the replicas' reduce is
+    the longest legitimate wait inside an APPLY)."""
     rebalance_every_s: float = 30.0
     """Seconds between rebalancing rounds (coordinator/placement.py `rebalance`); a node's
     rate moving by a quarter calls one sooner. 0: never rebalance for throughput (a stage
@@ -515,6 +520,11 @@ class CoordinatorConfig:
             raise ConfigError("coordinator.lease_timeout_s must be positive")
         if self.restart_grace_s <= 0:
             raise ConfigError("coordinator.restart_grace_s must be positive")
+        if not 0 <= self.apply_timeout_s < math.inf:  # NaN fails too
+            raise ConfigError(
+                "coordinator.apply_timeout_s must be >= 0 and finite (0: derived from "
+                "pipeline.reduce_timeout_s)"
+            )
         placement_knobs = (
             self.rebalance_every_s,
             self.move_cooldown_s,
