@@ -63,9 +63,10 @@ RATE_CHECK_S = 2.0
 # Status shows the throughput model as of at most this long ago: the best plan it shows
 # beside the bound is a search (the testnet polls Status four times a second).
 THROUGHPUT_VIEW_S = 2.0
-# coordinator.apply_timeout_s = 0: the replicas' reduce (pipeline.reduce_timeout_s) plus this
+# coordinator.apply_timeout_s = 0: the replicas' reduce (contributions for
+# pipeline.reduce_timeout_s, manifests for half that again: node/replica_sync.py) plus this
 # for the optimizer step, the digest and StepDone on a loaded machine.
-APPLY_SLACK_S = 30.0
+APPLY_SLACK_S = 20.0
 # How often the coordinator looks for an APPLY that a node cannot finish.
 APPLY_CHECK_S = 1.0
 
@@ -73,7 +74,8 @@ APPLY_CHECK_S = 1.0
 def apply_timeout(config: RunConfig) -> float:
     """How long a step's APPLY waits for a node's acknowledgement
     (`coordinator.apply_timeout_s`)."""
-    return config.coordinator.apply_timeout_s or config.pipeline.reduce_timeout_s + APPLY_SLACK_S
+    reduce_s = 1.5 * config.pipeline.reduce_timeout_s
+    return config.coordinator.apply_timeout_s or reduce_s + APPLY_SLACK_S
 
 
 def placement_policy(config: RunConfig) -> PlacementPolicy:

@@ -75,6 +75,10 @@ REPORT_TIMEOUT_S = 5.0
 # RESEND_MAX_S, through the first half of pipeline.reduce_timeout_s.
 RESEND_FIRST_S = 0.1
 RESEND_MAX_S = 1.0
+# The manifests are waited for this share of pipeline.reduce_timeout_s past the
+# contributions' deadline: a peer's own wait for contributions ends at its deadline, up to
+# the skew of the replicas' APPLY starts after ours.
+MANIFEST_EXTRA = 0.5
 
 
 def gradient_momentum(runtime: StageRuntime) -> torch.Tensor | None:
@@ -370,8 +374,15 @@ class ReplicaSync:
                 for p in sorted(live_peers())
             )
         )
+        # A peer that lacked a contribution sends its manifest only when its own wait for
+        # contributions ends, at its deadline: waiting for manifests until the same deadline
+        # decided without it, and the replicas applied different sets (seen with three
+        # replicas, one silent in the plan). The manifests get MANIFEST_EXTRA more.
         await self._wait(
-            lambda: sorted(live_peers() - set(exchange.manifests)), deadline, step, "manifest"
+            lambda: sorted(live_peers() - set(exchange.manifests)),
+            deadline + MANIFEST_EXTRA * config.pipeline.reduce_timeout_s,
+            step,
+            "manifest",
         )
         agreed = set(held)
         for sender, listed in exchange.manifests.items():
