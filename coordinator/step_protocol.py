@@ -356,6 +356,7 @@ class StepProtocol:
             return False
         done = self.current
         self.counters.lost += self.global_batch - done.samples
+        self._apply_since = None
         if self.step + 1 >= self.total_steps and not self.evaluates(self.total_steps):
             self._save()
         else:
