@@ -146,7 +146,7 @@ async def test_a_lossy_reduce_codec_still_gives_bit_identical_sums(
     assert torch.allclose(sum_a[0], exact, atol=0.05 * float(exact.abs().max()))
 
 
-@pytest.mark.parametrize("pair", [["pipeline.reduce_timeout_s=3"]], indirect=True)
+@pytest.mark.parametrize("pair", [["pipeline.reduce_timeout_s=2"]], indirect=True)
 async def test_a_replica_whose_sends_fail_but_still_receives_does_not_drift(
     pair: tuple[Replica, Replica],
 ) -> None:
