@@ -328,7 +328,8 @@ class PipelineConfig:
     """Upper bound on one hop's call, downstream included. A failed hop is retried."""
     reduce_timeout_s: float = 60.0
     """How long a replica waits for the others' gradients at a step's end before
-    dropping the missing ones (a replica whose Last Will fired is dropped at once)."""
+    dropping the missing ones (a replica whose Last Will fired is dropped at once); their
+    manifests, which say what each holds, are waited for half that again."""
     hop_timeout_min_s: float = 5.0
     """Floor of a hop's measured deadline (round-trip EWMA plus deviations), so
     a burst of fast calls cannot make the next slow-but-healthy one look dead."""
@@ -493,6 +494,12 @@ class CoordinatorConfig:
     """How long nodes keep training without their coordinator (retrying its calls and its
     broker) before they give up and exit 1, and how long a coordinator started again on its
     state database waits for the nodes it remembers to reconnect before they count as gone."""
+    apply_timeout_s: float = 0.0
+    """How long a step's APPLY waits for a node's acknowledgement. A node still owing it
+    then leaves the step (logged): the step completes without it and the node fetches its
+    stage's state again. 0: 1.5 times pipeline.reduce_timeout_s plus 20 s, 110 s by default
+    (the replicas' reduce, contributions then manifests, is the longest legitimate wait
+    inside an APPLY)."""
     rebalance_every_s: float = 30.0
     """Seconds between rebalancing rounds (coordinator/placement.py `rebalance`); a node's
     rate moving by a quarter calls one sooner. 0: never rebalance for throughput (a stage
@@ -522,6 +529,11 @@ class CoordinatorConfig:
         if not 0.01 <= self.node_cert_hours <= 24 * 366:  # NaN fails too
             raise ConfigError(
                 "coordinator.node_cert_hours must be between 0.01 (36 s) and 8784 (a year)"
+            )
+        if not 0 <= self.apply_timeout_s < math.inf:  # NaN fails too
+            raise ConfigError(
+                "coordinator.apply_timeout_s must be >= 0 and finite (0: derived from "
+                "pipeline.reduce_timeout_s)"
             )
         placement_knobs = (
             self.rebalance_every_s,

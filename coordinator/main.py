@@ -334,6 +334,7 @@ async def _serve(
     revocations = asyncio.create_task(service.watch_tokens())
     grace = asyncio.create_task(service.wait_for_members())
     rebalancing = asyncio.create_task(service.rebalance_loop())
+    applies = asyncio.create_task(service.watch_applies())
     try:
         await server.start()
         logger.info(
@@ -379,6 +380,7 @@ async def _serve(
         revocations.cancel()
         grace.cancel()
         rebalancing.cancel()
+        applies.cancel()
         watch.cancel()
         # Its exception, if any, was raised above; the server must stop all the same.
         await asyncio.gather(watch, return_exceptions=True)

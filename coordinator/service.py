@@ -64,6 +64,19 @@ RATE_CHECK_S = 2.0
 # Status shows the throughput model as of at most this long ago: the best plan it shows
 # beside the bound is a search (the testnet polls Status four times a second).
 THROUGHPUT_VIEW_S = 2.0
+# coordinator.apply_timeout_s = 0: the replicas' reduce (contributions for
+# pipeline.reduce_timeout_s, manifests for half that again: node/replica_sync.py) plus this
+# for the optimizer step, the digest and StepDone on a loaded machine.
+APPLY_SLACK_S = 20.0
+# How often the coordinator looks for an APPLY that a node cannot finish.
+APPLY_CHECK_S = 1.0
+
+
+def apply_timeout(config: RunConfig) -> float:
+    """How long a step's APPLY waits for a node's acknowledgement
+    (`coordinator.apply_timeout_s`)."""
+    reduce_s = 1.5 * config.pipeline.reduce_timeout_s
+    return config.coordinator.apply_timeout_s or reduce_s + APPLY_SLACK_S
 
 
 def placement_policy(config: RunConfig) -> PlacementPolicy:
@@ -427,6 +440,50 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             loop = asyncio.get_running_loop()
             loop.call_later(left + 0.01, lambda: asyncio.ensure_future(self._after_change()))
 
+    async def watch_applies(self) -> None:
+        """Bound every step's APPLY (`check_apply` every APPLY_CHECK_S)."""
+        while True:
+            await asyncio.sleep(APPLY_CHECK_S)
+            try:
+                await self.check_apply()
+            except Exception:  # one bad round must not end the watch for the run
+                logger.exception("checking the step's APPLY failed; trying again")
+
+    async def check_apply(self) -> None:
+        """No step's APPLY waits without end. A node that still owes its acknowledgement
+        `apply_timeout` after the APPLY began leaves the step, logged: the step completes
+        without it, and a node that still serves is ordered to fetch its stage's state again
+        (a move to its own stage; until it is Ready it is out of the plan and of the reduce).
+        An APPLY that owes nothing and is held by no joiner is moved along, in case a wake-up
+        was lost."""
+        p = self.protocol
+        if p.phase is not Phase.APPLY:
+            return
+        timeout = apply_timeout(self.config)
+        overdue = p.overdue(timeout)
+        if not overdue:
+            if not p.awaiting and p.held() is None:
+                await self._after_change()
+            return
+        for node_id in sorted(overdue):
+            member = self.membership.members.get(node_id)
+            p.node_lost(node_id)
+            serving = member is not None and member.serving and not member.drained
+            logger.warning(
+                "step %d: node %s has not acknowledged it %.0f s into its APPLY; the step "
+                "completes without it%s",
+                p.step,
+                node_id,
+                p.applying_for(),
+                ", and it fetches its stage's state again" if serving else "",
+            )
+            if member is not None and serving:
+                reason = f"re-sync: it did not apply step {p.step} within {timeout:.0f} s"
+                await self._moved(self.membership.move(member, member.stage, reason))
+        await self._after_change()
+        # The step may have opened with a stage whose only replica now re-syncs: pause it.
+        await self._after_change()
+
     # -- gRPC API -------------------------------------------------------
 
     async def Join(
@@ -467,9 +524,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             except TLSError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # The joiner serves only once it holds its stage's current state (Ready).
+        previous = self.membership.members.get(request.node_id)
         member = self.membership.assign(request.node_id, request.address)
         self.joins += 1
         self.expected_back.discard(request.node_id)
+        if previous is not None:
+            await self._retire(previous)
         self._persist()
         logger.info(
             "node %s (%s, version %s, token %s) joined: stage %d, %d replica(s) serving it",
@@ -522,6 +582,33 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.certificates_renewed += 1
         logger.info("node %s renewed its TLS certificate", request.node_id)
         return coordinator_pb2.RenewCertificateReply(tls_certificate=cert)
+
+    async def _retire(self, previous: Member) -> None:
+        """A node joined again under the id of `previous`, an earlier incarnation whose
+        leaving the coordinator may not have heard of yet (a restart quicker than its Last
+        Will, or a Will that arrives after the new Join and so is taken for the new one's
+        and ignored). Whatever that incarnation owed the step goes with it: its leases
+        return to the queue, its hold on the boundary ends and no APPLY waits for its
+        acknowledgement, which the new incarnation, syncing, would never send (and whose
+        Ready waits for the next step: the two would wait for each other for ever)."""
+        p = self.protocol
+        owed = previous.node_id in p.awaiting
+        requeued = p.node_lost(previous.node_id)
+        if not (owed or requeued or previous.serving):
+            return  # the usual case: its leaving was handled when its Last Will came
+        if previous.online:
+            self.departures += 1
+        logger.warning(
+            "node %s joined again while its previous incarnation was still in step %d (%s); "
+            "that one leaves the step: %d samples requeued%s",
+            previous.node_id,
+            p.step,
+            p.phase.value,
+            requeued,
+            ", its acknowledgement is no longer awaited" if owed else "",
+        )
+        await self._publish_plan()
+        await self._after_change()
 
     async def _check_caller(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
         """Refuse a call whose request names another node than its credential does

@@ -122,6 +122,9 @@ class StepProtocol:
     _committed: dict[int, Lease] = field(default_factory=dict)
     _next_lease_id: int = 1
     _awaiting_ack: set[str] = field(default_factory=set)
+    _apply_since: float | None = None
+    """When the current step's APPLY began awaiting acknowledgements (or, after a
+    restart, when this coordinator took it up)."""
     _holds: dict[str, float] = field(default_factory=dict)
     _opened: bool = False
     _eval_pending: int = 0
@@ -294,6 +297,25 @@ class StepProtocol:
     def await_acks(self, node_ids: set[str]) -> None:
         """Enter APPLY bookkeeping: these nodes must apply the step before the next opens."""
         self._awaiting_ack = set(node_ids)
+        self._apply_since = self.clock()
+
+    def overdue(self, timeout_s: float) -> frozenset[str]:
+        """The nodes still owing the current step's acknowledgement `timeout_s` after its
+        APPLY began: the coordinator takes them out of the step, so no node that cannot
+        finish an APPLY holds the swarm up without end."""
+        if self.phase is not Phase.APPLY or not self._awaiting_ack:
+            return frozenset()
+        if self._apply_since is None:
+            self._apply_since = self.clock()
+        if self.clock() - self._apply_since <= timeout_s:
+            return frozenset()
+        return frozenset(self._awaiting_ack)
+
+    def applying_for(self) -> float:
+        """Seconds the current APPLY has been awaiting acknowledgements (0 outside one)."""
+        if self.phase is not Phase.APPLY or self._apply_since is None:
+            return 0.0
+        return self.clock() - self._apply_since
 
     def ack(self, node_id: str, step: int) -> bool:
         """A node applied `step`. Returns True when the step is complete everywhere."""
@@ -334,6 +356,7 @@ class StepProtocol:
             return False
         done = self.current
         self.counters.lost += self.global_batch - done.samples
+        self._apply_since = None
         if self.step + 1 >= self.total_steps and not self.evaluates(self.total_steps):
             self._save()
         else:
@@ -390,6 +413,9 @@ class StepProtocol:
         self._awaiting_ack = set(awaiting)
         self._pending = deque(pending)
         now = self.clock()
+        # The bound on an APPLY taken up after a restart counts from now: the nodes were
+        # without their coordinator meanwhile.
+        self._apply_since = now if phase is Phase.APPLY else None
         books = {"open": self._outstanding, "committed": self._committed, "released": self._retired}
         for state, lease in leases:
             if state == "open":

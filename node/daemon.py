@@ -799,7 +799,11 @@ class NodeDaemon:
             if move.node_id == self.node_id and move.order > self._move_order:
                 # Plans are retained and redelivered: each order is carried out once.
                 self._move_order = move.order
-                if self.joined is not None and move.stage != self.joined.ctx.stage:
+                # An order for its own stage re-syncs a node that serves it (the coordinator
+                # took it out of a step it could not finish); one that is syncing already
+                # (a restarted node reading its earlier life's order) has nothing to redo.
+                joined = self.joined
+                if joined is not None and (move.stage != joined.ctx.stage or self.status.serving):
                     self._spawn(self._move(move.stage, move.reason))
 
     def _on_step(self, state: control_pb2.StepState) -> None:

@@ -71,6 +71,14 @@ MAX_MANIFEST_ENTRIES = 1024
 WAIT_SLICE_S = 0.1
 # A report is one small call; the step's StepDone waits behind it, so keep it short.
 REPORT_TIMEOUT_S = 5.0
+# A contribution a peer refused as UNAVAILABLE is sent again after this long, doubling up to
+# RESEND_MAX_S, through the first half of pipeline.reduce_timeout_s.
+RESEND_FIRST_S = 0.1
+RESEND_MAX_S = 1.0
+# The manifests are waited for this share of pipeline.reduce_timeout_s past the
+# contributions' deadline: a peer's own wait for contributions ends at its deadline, up to
+# the skew of the replicas' APPLY starts after ours.
+MANIFEST_EXTRA = 0.5
 
 
 def gradient_momentum(runtime: StageRuntime) -> torch.Tensor | None:
@@ -203,9 +211,19 @@ class ReplicaSync:
         self._arrived.set()
 
     async def _call(
-        self, peer: str, address: str, messages: list[stage_pb2.ReduceMessage], what: str
+        self,
+        peer: str,
+        address: str,
+        messages: list[stage_pb2.ReduceMessage],
+        what: str,
+        *,
+        retry_until: float = 0.0,
     ) -> bool:
-        """One Reduce call to a peer; False (logged) when it failed."""
+        """One Reduce call to a peer; False (logged) when it failed. Until `retry_until`
+        a peer that answers UNAVAILABLE is tried again while it stays in the plan: a
+        replica the coordinator has just let in refuses reduces until its Ready answer
+        reaches it, and a contribution it never gets costs both sides the whole
+        reduce_timeout_s and the step its gradient."""
         d = self.ctx
 
         async def stream(link: Transfer) -> AsyncIterator[stage_pb2.ReduceMessage]:
@@ -213,17 +231,34 @@ class ReplicaSync:
                 await link.pace(message.ByteSize())  # the link's send limit covers the reduce
                 yield message
 
-        stub = stage_pb2_grpc.StageStub(d.router.channel(address))
-        try:
-            async with d.links.transfer(peer, "reduce") as link:
-                await stub.Reduce(stream(link), timeout=d.config.pipeline.reduce_timeout_s)
-            return True
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("could not send %s to %s: %s", what, peer, exc.details())
-            return False
+        delay = RESEND_FIRST_S
+        while True:
+            stub = stage_pb2_grpc.StageStub(d.router.channel(address))
+            try:
+                async with d.links.transfer(peer, "reduce") as link:
+                    await stub.Reduce(stream(link), timeout=d.config.pipeline.reduce_timeout_s)
+                return True
+            except grpc.aio.AioRpcError as exc:
+                again = (
+                    exc.code() == grpc.StatusCode.UNAVAILABLE
+                    and peer in self._peers()
+                    and time.monotonic() + delay < retry_until
+                )
+                if not again:
+                    logger.warning("could not send %s to %s: %s", what, peer, exc.details())
+                    return False
+                logger.debug("could not send %s to %s yet: %s", what, peer, exc.details())
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RESEND_MAX_S)
 
     async def _send_contribution(
-        self, peer: str, address: str, header: stage_pb2.ReduceHeader, encoded: EncodedTensor
+        self,
+        peer: str,
+        address: str,
+        header: stage_pb2.ReduceHeader,
+        encoded: EncodedTensor,
+        *,
+        retry_until: float = 0.0,
     ) -> bool:
         messages = [
             stage_pb2.ReduceMessage(header=header),
@@ -233,7 +268,8 @@ class ReplicaSync:
                 for chunk in encoded.chunks
             ),
         ]
-        sent = await self._call(peer, address, messages, f"step {header.step}'s contribution")
+        what = f"step {header.step}'s contribution"
+        sent = await self._call(peer, address, messages, what, retry_until=retry_until)
         if sent:
             self.ctx.stats.record(peer, "reduce", encoded.header.codec, encoded.payload_bytes)
         return sent
@@ -281,9 +317,16 @@ class ReplicaSync:
             step=step, sender_node=d.node_id, tokens=own[1], samples=own[2], parameter_delta=delta
         )
         unreachable: set[str] = set()
+        deadline = time.monotonic() + config.pipeline.reduce_timeout_s
+        # Sends refused as UNAVAILABLE are retried through the first half of the exchange's
+        # time, so the manifests still have the second half.
+        resend_until = time.monotonic() + config.pipeline.reduce_timeout_s / 2
 
         async def send(peer: str, address: str, first: bool) -> None:
-            if not await self._send_contribution(peer, address, header, encoded):
+            sent = await self._send_contribution(
+                peer, address, header, encoded, retry_until=resend_until
+            )
+            if not sent:
                 unreachable.add(peer)
                 self._arrived.set()
             elif first:
@@ -305,7 +348,6 @@ class ReplicaSync:
             # takes them out of the plan within a second or two.
             return set(self._peers()) & set(peers)
 
-        deadline = time.monotonic() + config.pipeline.reduce_timeout_s
         await self._wait(
             lambda: sorted(live_peers() - set(exchange.contributions)),
             deadline,
@@ -332,8 +374,15 @@ class ReplicaSync:
                 for p in sorted(live_peers())
             )
         )
+        # A peer that lacked a contribution sends its manifest only when its own wait for
+        # contributions ends, at its deadline: waiting for manifests until the same deadline
+        # decided without it, and the replicas applied different sets (seen with three
+        # replicas, one silent in the plan). The manifests get MANIFEST_EXTRA more.
         await self._wait(
-            lambda: sorted(live_peers() - set(exchange.manifests)), deadline, step, "manifest"
+            lambda: sorted(live_peers() - set(exchange.manifests)),
+            deadline + MANIFEST_EXTRA * config.pipeline.reduce_timeout_s,
+            step,
+            "manifest",
         )
         agreed = set(held)
         for sender, listed in exchange.manifests.items():

@@ -211,3 +211,19 @@ def test_no_hold_delays_the_end_of_the_run() -> None:
     _finish_training(p)
     p.hold("joiner", 30.0)
     assert p.try_advance() and p.phase is Phase.SAVING
+
+
+def test_the_nodes_owing_an_apply_are_overdue_only_past_the_bound() -> None:
+    clock = Clock()
+    p = make(steps=3, clock=clock)
+    assert p.overdue(10.0) == frozenset()  # training: nothing is owed
+    _finish_training(p)
+    p.await_acks({"a", "b"})
+    clock.now = 10.0
+    assert p.overdue(10.0) == frozenset() and p.applying_for() == 10.0
+    assert not p.ack("a", 0)
+    clock.now = 10.5
+    assert p.overdue(10.0) == {"b"}
+    p.node_lost("b")
+    assert p.overdue(10.0) == frozenset() and p.try_advance() and p.step == 1
+    assert p.applying_for() == 0.0

@@ -126,6 +126,52 @@ def test_a_replica_killed_inside_the_reduce_is_dropped_and_the_others_agree(  # 
         coordinator.channel.close()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stages", "nodes"),
+    [(1, 3), (2, 4)],
+    ids=["a-head-of-three-replicas", "a-last-stage-replica"],
+)
+def test_a_replica_that_never_finishes_its_apply_leaves_the_step_and_resyncs(  # type: ignore[no-untyped-def]
+    procs, tiny, tmp_path, stages: int, nodes: int
+) -> None:
+    steps = 40  # enough for the victim to apply steps again after it re-synced
+    # The last node stops dead inside step 3's reduce but stays online (no kill, no Last
+    # Will): it never acknowledges the step. The step must still complete, the victim must
+    # fetch its stage's state again and serve, and each stage's replicas must end equal.
+    # With three replicas of one stage, one of the other two holds the victim's
+    # contribution and the other does not: their manifests must still agree.
+    target = procs.coordinator(
+        *tiny,
+        f"pipeline.stages={stages}",
+        f"train.steps={steps}",
+        f"coordinator.min_nodes={nodes}",
+        "pipeline.reduce_timeout_s=4",
+        "coordinator.apply_timeout_s=8",
+    )
+    procs.nodes(nodes - 1, target)
+    victim = f"n{nodes - 1}"
+    marker = tmp_path / f"{victim}.paused"
+    procs.node(victim, target, env=_pause_at("reduce.sent_one", 3, marker))
+    coordinator = Coordinator(target)
+    try:
+        paused = poll_until(lambda: _marker(marker), 240, "the replica to pause in the reduce")
+        final = coordinator.finished(300)
+        assert final.counters.lost == 0 and len(final.steps) == steps
+        assert [n.last_step for n in final.nodes] == [steps - 1] * nodes, final.nodes
+        for stage in range(stages):
+            digests = {n.param_digest for n in final.nodes if n.stage == stage}
+            assert len(digests) == 1, final.nodes
+        log = (tmp_path / "coordinator.log").read_text()
+        assert f"step {paused['step']}: node {victim} has not acknowledged it" in log, log[-3000:]
+        (stage,) = [n.stage for n in final.nodes if n.node_id == victim]
+        text = (tmp_path / f"{victim}.log").read_text()
+        assert f"moving from stage {stage} to stage {stage}: re-sync" in text, text[-3000:]
+        assert f"applied step {steps - 1} " in text.partition("re-sync")[2], text[-3000:]
+    finally:
+        coordinator.channel.close()
+
+
 @pytest.mark.parametrize(
     "settings",
     [

@@ -10,7 +10,9 @@ a closed port.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -144,7 +146,7 @@ async def test_a_lossy_reduce_codec_still_gives_bit_identical_sums(
     assert torch.allclose(sum_a[0], exact, atol=0.05 * float(exact.abs().max()))
 
 
-@pytest.mark.parametrize("pair", [["pipeline.reduce_timeout_s=3"]], indirect=True)
+@pytest.mark.parametrize("pair", [["pipeline.reduce_timeout_s=2"]], indirect=True)
 async def test_a_replica_whose_sends_fail_but_still_receives_does_not_drift(
     pair: tuple[Replica, Replica],
 ) -> None:
@@ -160,3 +162,29 @@ async def test_a_replica_whose_sends_fail_but_still_receives_does_not_drift(
     # b received a's gradient but a never got b's: both must apply a's alone.
     assert n_a == n_b == 1
     assert torch.equal(sum_a[0], sum_b[0]) and torch.equal(sum_a[0], grad_a)
+
+
+@pytest.mark.parametrize("pair", [["pipeline.reduce_timeout_s=20"]], indirect=True)
+async def test_a_replica_still_finishing_its_join_gets_the_contribution_it_refused(
+    pair: tuple[Replica, Replica], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The coordinator let b in (it is in the plan), but b's Ready answer has not reached it
+    # yet, so it refuses a's contribution as UNAVAILABLE; a moment later it serves and
+    # applies the step. Both must sum both contributions, not wait out the timeout and
+    # each apply b's alone.
+    a, b = pair
+    grads = a.train_on(1), b.train_on(2)
+    plan = _plan({"a": a.address, "b": b.address})
+    a.ctx.router.set_plan(plan)
+    b.ctx.router.set_plan(plan)
+    b.ctx.status.stop_serving()
+    with caplog.at_level(logging.DEBUG, logger="swarmpipe.node.replica_sync"):
+        reduce_a = asyncio.create_task(a.replica_sync.reduce(0))
+        deadline = time.monotonic() + 15
+        while not any("still syncing" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "a's send was never refused"
+            await asyncio.sleep(0.02)
+        b.ctx.status.start_serving()
+        (sum_a, n_a), (sum_b, n_b) = await asyncio.gather(reduce_a, b.replica_sync.reduce(0))
+    assert n_a == n_b == 2 and sum_a is not None and sum_b is not None
+    assert torch.equal(sum_a[0], sum_b[0]) and torch.equal(sum_a[0], grads[0] + grads[1])

@@ -89,13 +89,17 @@ async def test_a_sender_telling_replicas_different_things_is_dropped_by_all(
     honest_send = sync._send_contribution
 
     async def equivocate(
-        peer: str, address: str, header: stage_pb2.ReduceHeader, encoded: object
+        peer: str,
+        address: str,
+        header: stage_pb2.ReduceHeader,
+        encoded: object,
+        retry_until: float = 0.0,
     ) -> bool:
         if peer == "b":  # b gets a slightly different vector than a does
             encoded = await encode(
                 grad_x * 1.01, tensor_pb2.CODEC_LOSSLESS, x.ctx.links.options, role="reduce"
             )
-        return await honest_send(peer, address, header, encoded)  # type: ignore[arg-type]
+        return await honest_send(peer, address, header, encoded, retry_until=retry_until)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sync, "_send_contribution", equivocate)
     (sum_a, n_a), (sum_b, n_b), _ = await asyncio.gather(*(r.replica_sync.reduce(0) for r in trio))
