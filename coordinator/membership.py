@@ -66,6 +66,9 @@ class Member:
     until the node serves its new stage."""
     moved_at: float = -1.0
     """When it joined or was last moved (monotonic seconds): the policy's cool-down."""
+    incarnation: int = 0
+    """The node process that joined last under this id (JoinRequest.incarnation; 0:
+    unknown, as after a coordinator restart): presence from another process is stale."""
 
 
 @dataclass(frozen=True, slots=True)

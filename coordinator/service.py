@@ -526,6 +526,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # The joiner serves only once it holds its stage's current state (Ready).
         previous = self.membership.members.get(request.node_id)
         member = self.membership.assign(request.node_id, request.address)
+        member.incarnation = request.incarnation
         self.joins += 1
         self.expected_back.discard(request.node_id)
         if previous is not None:
@@ -1188,6 +1189,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         member = self.membership.members.get(node_id)
         if member is None:
             return  # a retained presence from an earlier coordinator's run
+        if (
+            presence.incarnation
+            and member.incarnation
+            and presence.incarnation != member.incarnation
+        ):
+            # An earlier process of this node id (its Last Will, or a retained "online"),
+            # arriving after the process that joined since: not about that one.
+            logger.debug("node %s: presence of an earlier incarnation ignored", node_id)
+            return
         if presence.online and presence.stage == member.stage:
             self.expected_back.discard(node_id)
         if presence.online and presence.stage != member.stage:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import time
 from collections import deque
@@ -166,6 +167,9 @@ class NodeDaemon:
         self.router = Router(self.node_id, self.stats, self.links, credential=self.credential)
         self._tls_key = tls.new_key() if options.ca_pem else None
         self._certificate = b""
+        self.incarnation = secrets.randbits(63) or 1
+        """This process among the node id's (Join and presence carry it): a Last Will of an
+        earlier process that arrives late cannot put this one offline."""
         """The node's TLS certificate (PEM) now: from Join, then each renewal."""
         self.certificates_renewed = 0
         """This node's TLS key; the coordinator signs its public half at Join."""
@@ -264,6 +268,7 @@ class NodeDaemon:
                     node_id=self.node_id,
                     address=f"{host}:{port}",
                     version=__version__,
+                    incarnation=self.incarnation,
                     tls_public_key=tls.public_pem(self._tls_key) if self._tls_key else b"",
                 ),
                 timeout_s=self.options.join_timeout_s,
@@ -727,7 +732,11 @@ class NodeDaemon:
 
     def _presence(self, *, online: bool) -> control_pb2.Presence:
         return control_pb2.Presence(
-            node_id=self.node_id, online=online, stage=max(self.stage, 0), timestamp=time.time()
+            node_id=self.node_id,
+            online=online,
+            stage=max(self.stage, 0),
+            timestamp=time.time(),
+            incarnation=self.incarnation,
         )
 
     @property

@@ -33,11 +33,16 @@ class Presence(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     TIMESTAMP_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     online: _builtins.bool
     stage: _builtins.int
     address: _builtins.str
     timestamp: _builtins.float
+    incarnation: _builtins.int
+    """Which process of the node id (the random number it also sent at Join; 0: unknown), so
+    an earlier process's Last Will cannot put the one that joined since offline.
+    """
     def __init__(
         self,
         *,
@@ -46,10 +51,11 @@ class Presence(_message.Message):
         stage: _builtins.int = ...,
         address: _builtins.str = ...,
         timestamp: _builtins.float = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "node_id", b"node_id", "online", b"online", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "incarnation", b"incarnation", "node_id", b"node_id", "online", b"online", "stage", b"stage", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

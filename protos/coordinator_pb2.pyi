@@ -27,12 +27,15 @@ class JoinRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     TLS_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     address: _builtins.str
     """host:port of the node's Stage service"""
     version: _builtins.str
     """swarmpipe version of the node"""
+    incarnation: _builtins.int
+    """random, one per node process; its presence carries it too"""
     tls_public_key: _builtins.bytes
     """TLS (transport/tls.py): the node's PEM public key, for the certificate Join issues."""
     def __init__(
@@ -41,11 +44,12 @@ class JoinRequest(_message.Message):
         node_id: _builtins.str = ...,
         address: _builtins.str = ...,
         version: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
         tls_public_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "node_id", b"node_id", "tls_public_key", b"tls_public_key", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "incarnation", b"incarnation", "node_id", b"node_id", "tls_public_key", b"tls_public_key", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

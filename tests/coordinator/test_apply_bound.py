@@ -85,17 +85,19 @@ class Swarm:
     def ctx(self, node: str) -> Context:
         return Context(self.credentials[node])
 
-    async def join(self, node: str) -> int:
-        reply = await self.service.Join(
-            coordinator_pb2.JoinRequest(node_id=node, address=f"127.0.0.1:{50000 + len(node)}"),
-            Context(),
+    async def join(self, node: str, incarnation: int = 0) -> int:
+        request = coordinator_pb2.JoinRequest(
+            node_id=node, address=f"127.0.0.1:{50000 + len(node)}", incarnation=incarnation
         )
+        reply = await self.service.Join(request, Context())
         self.credentials[node] = reply.credential
         return int(reply.stage)
 
-    async def presence(self, node: str, online: bool) -> None:
+    async def presence(self, node: str, online: bool, incarnation: int = 0) -> None:
         stage = self.service.membership.members[node].stage
-        message = control_pb2.Presence(node_id=node, online=online, stage=stage)
+        message = control_pb2.Presence(
+            node_id=node, online=online, stage=stage, incarnation=incarnation
+        )
         await self.service._on_message(
             self.service.topics.presence(node), message.SerializeToString()
         )
@@ -161,6 +163,29 @@ async def test_a_node_that_joins_again_mid_apply_does_not_hang_the_step(tmp_path
     assert swarm.service.membership.members["n3"].serving
     await swarm.train_step()
     assert p.awaiting == set(NODES)  # the new n3 applies step 1 with the others
+
+
+async def test_a_late_last_will_of_an_earlier_incarnation_leaves_the_new_one_online(
+    tmp_path: Path,
+) -> None:
+    # As above, but the new n3 announced itself before the old one's Will came, and says
+    # nothing more: the Will names the earlier process, so the new one stays online.
+    swarm = Swarm(tmp_path)
+    p = swarm.service.protocol
+    await swarm.start()
+    await swarm.train_step()
+    for node in ("n0", "n1", "n2"):
+        await swarm.step_done(node, 0)
+    await swarm.join("n3", incarnation=2)
+    await swarm.presence("n3", True, incarnation=2)
+    await swarm.presence("n3", False, incarnation=1)  # the earlier process's Will, late
+    assert swarm.service.membership.members["n3"].online
+    reply = await swarm.ready("n3", 1)
+    assert (p.phase, p.step) == (Phase.TRAINING, 1)
+    assert reply.status == reply.STATUS_ACCEPTED
+    # Its own Will still counts.
+    await swarm.presence("n3", False, incarnation=2)
+    assert not swarm.service.membership.members["n3"].online
 
 
 async def test_a_node_that_rejoins_while_the_apply_waits_is_logged_once(
