@@ -7,6 +7,14 @@ tokens they came from, and `apply_step` divides by that count before AdamW.
 That makes a step's update independent of how the global batch was cut into
 microbatches, which is what lets the pipeline match single-process training.
 
+The sum over microbatches is taken in float64 (each microbatch's float32 gradient added
+to a float64 accumulator, rounded to float32 once, at the step's end), so it does not
+depend on the order the microbatches' gradients came back in, which the links' timing
+decides: a stage served by one replica takes the same step, bit for bit, whatever the
+timing (plaintext or TLS, loaded machine or not). Exact unless one parameter's gradients
+in a step span more than about 2**24 in magnitude, and even then the float64 rounding
+changes the float32 result with a chance of about 1e-9. It costs 8 bytes a parameter.
+
 A microbatch contributes to this node's gradients at most once per step: when
 a sender resends one after a failure further up (the downstream part already
 ran), the repeat only computes the input gradient the sender needs.
@@ -84,6 +92,8 @@ class StageRuntime:
         self.duplicates_skipped = 0
         self._contributed: set[str] = set()
         self._saved: dict[str, _Saved] = {}
+        self._summed: list[torch.Tensor] | None = None
+        """The step's gradient sum so far, float64, one per parameter (None: nothing yet)."""
         p = config.pipeline
         self.outer: OuterOptimizer | None = None
         if p.sync == "diloco":
@@ -234,6 +244,7 @@ class StageRuntime:
         first_time = saved.microbatch_id not in self._contributed
         if first_time:
             torch.autograd.backward(outputs, grad)
+            self._add_to_sum()
             self._contributed.add(saved.microbatch_id)
             tokens = saved.inputs.shape[0] * (saved.inputs.shape[1] if saved.inputs.ndim > 1 else 1)
             self.tokens_accumulated += int(tokens)
@@ -246,6 +257,21 @@ class StageRuntime:
         (grad_input,) = torch.autograd.grad(outputs, saved.inputs, grad)
         return grad_input
 
+    def _add_to_sum(self) -> None:
+        """Move this microbatch's gradients (alone in `.grad`) into the float64 sum."""
+        params = list(self.module.parameters())
+        if self._summed is None:
+            self._summed = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        for p, total in zip(params, self._summed, strict=True):
+            if p.grad is not None:
+                total.add_(p.grad)
+                p.grad = None
+
+    def _clear_sum(self) -> None:
+        if self._summed is not None:
+            for total in self._summed:
+                total.zero_()
+
     def discard(self, key: str) -> None:
         self._saved.pop(key, None)
 
@@ -255,12 +281,9 @@ class StageRuntime:
 
     def local_gradient(self) -> tuple[torch.Tensor, int, int]:
         """This replica's gradient sum as one flat fp32 vector, with its token and sample counts."""
-        flat = torch.cat(
-            [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                for p in self.module.parameters()
-            ]
-        )
+        params = list(self.module.parameters())
+        summed = self._summed or [torch.zeros_like(p) for p in params]
+        flat = torch.cat([total.reshape(-1).float() for total in summed])
         return flat, self.tokens_accumulated, self.samples_accumulated
 
     @property
@@ -295,6 +318,9 @@ class StageRuntime:
                 offset += n
         else:
             tokens, samples = self.tokens_accumulated, self.samples_accumulated
+            if self._summed is not None:
+                for p, total in zip(self.module.parameters(), self._summed, strict=True):
+                    p.grad = total.to(p.dtype)
         if tokens:
             scale = 1.0 / tokens
             for p in self.module.parameters():
@@ -302,6 +328,7 @@ class StageRuntime:
                     p.grad.mul_(scale)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._clear_sum()
         if self.outer is not None:
             self.outer.round_samples += samples
         self.tokens_accumulated = 0
@@ -362,6 +389,7 @@ class StageRuntime:
         (a checkpoint from an earlier step resumes at the swarm's current step)."""
         state.load_into(self.module, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        self._clear_sum()
         self.tokens_accumulated = 0
         self.samples_accumulated = 0
         self._contributed.clear()
