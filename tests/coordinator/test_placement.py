@@ -182,7 +182,11 @@ def test_a_stage_that_loses_its_last_replica_gets_one_at_once() -> None:
     refill = [m for m in moves if m.reason == "empty-stage"]
     assert len(refill) == 1 and refill[0].to_stage == 2
     assert refill[0].from_stage == 1  # stage 1 has the surplus (16/s against 12/s)
-    assert all(m.reason == "empty-stage" for m in moves)  # the others are cooling down
+    # The cool-down holds throughput moves back, not the refilled stage's second replica:
+    # 7 nodes on 3 stages can give every stage two.
+    second = [m for m in moves if m.reason == "second-replica"]
+    assert len(second) == 1 and second[0].to_stage == 2, moves
+    assert len(moves) == 2
 
 
 def test_rebalancing_never_empties_a_stage() -> None:
