@@ -717,9 +717,7 @@ def rebalance(
             )
 
     def cooled(node_id: str) -> bool:
-        return (
-            node_id not in taken and now - last_moved.get(node_id, -math.inf) >= policy.cooldown_s
-        )
+        return node_id not in taken and _cooled(node_id, now, last_moved, policy)
 
     # 1. A stage with no replica trains nothing: fill it at once, from the stage that can
     # spare a node best, preferring stages that keep two replicas.
@@ -761,6 +759,46 @@ def rebalance(
     if steps and (after >= (1 + policy.min_gain) * before if before > 0 else after > 0):
         record(steps, "throughput")
     return moves
+
+
+def second_replicas(
+    assignment: Mapping[str, int],
+    nodes: Mapping[str, NodeCaps],
+    stages: Sequence[StageSpec],
+    policy: PlacementPolicy,
+    *,
+    now: float,
+    last_moved: Mapping[str, float],
+) -> list[Move]:
+    """Rebalancing's second rule alone: a second replica for each stage with one, from a
+    stage with three or more, within `safety_tolerance`. The coordinator calls it whenever
+    its members change, so a stage at risk does not wait for the next periodic round."""
+    if not _safety_applies(len(assignment), len(stages), policy):
+        return []
+    layout = _Layout(rate_table((nodes[k] for k in assignment), stages), assignment, len(stages))
+    step = _fill_second_replicas(
+        layout,
+        _always,
+        policy.safety_tolerance,
+        prefer=lambda n: _cooled(n, now, last_moved, policy),
+    )
+    return [
+        Move(
+            node_id=node_id,
+            from_stage=src,
+            to_stage=dst,
+            reason="second-replica",
+            download_s=download_seconds(nodes[node_id], stages[dst], policy),
+        )
+        for node_id, src, dst in step
+    ]
+
+
+def _cooled(
+    node_id: str, now: float, last_moved: Mapping[str, float], policy: PlacementPolicy
+) -> bool:
+    """Whether `node_id` joined or last moved at least the cool-down ago."""
+    return now - last_moved.get(node_id, -math.inf) >= policy.cooldown_s
 
 
 def refill(

@@ -195,8 +195,9 @@ _CHURN_ORDERS = [
 def test_after_churn_every_stage_gets_back_two_replicas_in_any_order_of_events(
     order: str,
 ) -> None:
-    """Wherever the fresh nodes land, the next rebalancing round evens the stages out to two
-    replicas each, though every node joined within the cool-down (integration test:
+    """Wherever the fresh nodes land, the coordinator evens the stages out to two replicas
+    each as soon as the serving nodes show a stage with one (it calls `second_replicas` at
+    every change), though every node joined within the cool-down (integration test:
     tests/integration/test_churn_headline.py)."""
     m = make(3, cooldown_s=900.0)
     for name, stage in (("a", 0), ("b", 0), ("c", 1), ("d", 1), ("e", 2), ("f", 2)):
@@ -204,18 +205,21 @@ def test_after_churn_every_stage_gets_back_two_replicas_in_any_order_of_events(
     rates = dict.fromkeys("abcdef", 10.0)
     report(m, rates, dict.fromkeys(rates, 1e9))
     victims = {0: "b", 1: "d", 2: "f"}
+    orders = []
     for what, stage in ((e[:-1], int(e[-1])) for e in order.split()):
         if what == "gone":
             m.members[victims[stage]].online = False
-            continue
-        fresh = m.assign(f"fresh{stage}", "x:1")
-        fresh.online = fresh.announced = fresh.serving = True
-        rates[fresh.node_id] = 10.0
-        report(m, rates, dict.fromkeys(rates, 1e9))
-    now = max(member.moved_at for member in m.members.values()) + 1.0
-    orders = m.rebalance(now)
+        else:
+            fresh = m.assign(f"fresh{stage}", "x:1")
+            fresh.online = fresh.announced = True
+            assert m.second_replicas(fresh.moved_at) == [], "a node still fetches: no move yet"
+            fresh.serving = True
+            rates[fresh.node_id] = 10.0
+            report(m, rates, dict.fromkeys(rates, 1e9))
+        now = max(member.moved_at for member in m.members.values())
+        orders += m.second_replicas(now)
+        arrive(m)
     assert all(o.reason.startswith("second replica") for o in orders), orders
-    arrive(m)
     assert m.rebalance(now + 1.0) == []
     counts = placement.replica_counts({n.node_id: n.stage for n in m.live()}, 3)
     assert counts == [2, 2, 2], (counts, orders)

@@ -1,10 +1,13 @@
 """Issue 4's headline: replicas SIGKILLed at different moments, fresh nodes join, nothing lost.
 
 2 replicas per stage, 3 stages. One replica of every stage is SIGKILLed at its
-own moment and a fresh node (a new id) is started after each kill; the three
-join the stages that lost a replica, downloading state from the survivors. The
-run must finish with lost == 0, every stage's live replicas bit-identical,
-and a final loss within 5% of the same run without churn. That run is the
+own moment and a fresh node (a new id) is started after each kill; the fresh
+nodes download state from the survivors and serve, and every stage is back to two
+replicas, whichever stage each fresh node went to: one may register before the
+coordinator has seen the node it replaces die, and the next rebalancing round then
+moves a replica where one is missing (docs/design.md, placement). The run must
+finish with lost == 0, every stage's live replicas bit-identical, and a final loss
+within 5% of the same run without churn. That run is the
 single-process reference: the lossless replicated pipeline equals it to
 1e-4 (tests/integration/test_training.py), and it costs one process, not six.
 """
@@ -52,19 +55,21 @@ def test_replicas_killed_and_replaced_during_the_run_lose_nothing(procs, tiny) -
             victim = max(n for n, s in stages.items() if s == stage)
             os.killpg(nodes[victim].pid, signal.SIGKILL)
             killed.append(victim)
-            # A fresh node (new id) right away; it joins the emptiest stage and
-            # downloads its state from the survivor. Starting a process takes
-            # tens of seconds on a loaded machine, so they start side by side.
+            # A fresh node (new id) right away; it downloads its stage's state from a
+            # survivor. Starting a process takes tens of seconds on a loaded machine,
+            # so they start side by side and may register in any order.
             fresh.append(f"fresh{stage}")
             procs.start(fresh[-1], *procs._node_args(fresh[-1], target), ready=False)
 
-        def all_fresh_serving() -> coordinator_pb2.StatusReply | None:
+        def healed() -> coordinator_pb2.StatusReply | None:
             now = status()
-            return now if all(serving(f, now) for f in fresh) else None
+            replicas = [
+                sum(n.online and n.serving and n.stage == s for n in now.nodes) for s in range(3)
+            ]
+            return now if all(serving(f, now) for f in fresh) and min(replicas) >= 2 else None
 
-        joined = poll_until(all_fresh_serving, 300, "the fresh nodes to serve")
+        joined = poll_until(healed, 300, "the fresh nodes to serve, two replicas a stage")
         assert len(joined.steps) < STEPS, "the run ended before the joiners served; raise STEPS"
-        assert {n.stage for n in joined.nodes if n.node_id in fresh} == {0, 1, 2}
         final: coordinator_pb2.StatusReply = poll_until(
             lambda: (s := status()).done and s, 600, "the run to finish"
         )
