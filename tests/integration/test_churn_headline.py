@@ -93,3 +93,47 @@ def test_replicas_killed_and_replaced_during_the_run_lose_nothing(procs, tiny) -
         assert abs(got - want) / want < 0.05, f"final loss {got} vs {want} without churn"
     finally:
         channel.close()
+
+
+def test_a_stage_left_with_one_replica_while_another_has_three_gets_a_second(procs, tiny) -> None:  # type: ignore[no-untyped-def]
+    """The order the headline test leaves to chance, made certain: a fresh node joins while
+    every stage still has two replicas (as when it registers before the coordinator has seen
+    the death of the node it replaces), then a replica of another stage dies. The
+    coordinator moves a replica there at once (every node is inside its cool-down)."""
+    steps = 600
+    settings = [*tiny, "pipeline.stages=3", f"train.steps={steps}"]
+    target = procs.coordinator(*settings, "coordinator.min_nodes=6")
+    nodes = procs.nodes(6, target)
+    channel = grpc.insecure_channel(target)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def status() -> coordinator_pb2.StatusReply:
+        return stub.Status(coordinator_pb2.StatusRequest(), timeout=10)
+
+    try:
+        poll_until(lambda: len(status().steps) >= 2, 300, "training to be under way")
+        procs.node("fresh", target)
+        procs.wait_serving("fresh")
+        now = status()
+        crowded = next(n.stage for n in now.nodes if n.node_id == "fresh")
+        victim = max(n.node_id for n in now.nodes if n.stage != crowded and n.node_id in nodes)
+        os.killpg(nodes[victim].pid, signal.SIGKILL)
+
+        def healed() -> coordinator_pb2.StatusReply | None:
+            s = status()
+            live = [n for n in s.nodes if n.online and n.serving]
+            counts = [sum(n.stage == stage for n in live) for stage in range(3)]
+            return s if counts == [2, 2, 2] and len(live) == 6 else None
+
+        evened = poll_until(healed, 300, "two serving replicas on every stage")
+        assert len(evened.steps) < steps, "the run ended first; raise steps"
+        assert [m.reason.split(":")[0] for m in evened.moves] == ["second replica"], evened.moves
+        final = poll_until(lambda: (s := status()).done and s, 600, "the run to finish")
+        assert final.counters.lost == 0 and final.counters.outstanding == 0, final.counters
+        live = [n for n in final.nodes if n.node_id != victim]
+        for stage in range(3):
+            replicas = [n for n in live if n.stage == stage]
+            assert len(replicas) == 2 and {n.last_step for n in replicas} == {steps - 1}
+            assert len({n.param_digest for n in replicas}) == 1, replicas
+    finally:
+        channel.close()
