@@ -42,7 +42,7 @@ stage two, and never take a stage's last replica.
 **Rebalancing** (`rebalance`), in this order: (1) a stage with no replica gets the node
 that costs the rest least, at once, whatever the cool-down or gain; (2) at-risk stages get
 a second replica under the rule above, at once too (a node out of its cool-down first,
-where one does as well: these moves cannot oscillate); (3) throughput: the local
+where one can go: these moves cannot oscillate); (3) throughput: the local
 improvement above, from the current assignment, where each move must pay for itself and the
 whole batch must raise the bound by `min_gain` (10 %) or it is dropped. A move pays when,
 over `horizon_s`, the samples it gains after the mover is in place exceed those lost while
@@ -142,7 +142,7 @@ class PlacementPolicy:
     node stays (10 % leave per hour means a mean stay of 10 h; one hour is cautious)."""
     cooldown_s: float = 900.0
     """A node that joined or moved this recently is not moved for throughput (a second
-    replica takes one only when no node out of its cool-down serves as well)."""
+    replica takes one only when no node out of its cool-down can go)."""
     safety_tolerance: float = 0.10
     """Second replicas come first while they cost the bound at most this fraction."""
     move_overhead_s: float = 30.0
@@ -534,26 +534,29 @@ def _fill_second_replicas(
     prefer: Callable[[str], bool] = _always,
 ) -> Step:
     """Give each stage with one replica a second from a stage with three or more, while the
-    bound stays within `tolerance` of what it was; on a tie, a node `prefer` picks."""
+    bound stays within `tolerance` of what it was: a node `prefer` picks if one can go, else
+    any node `movable` allows."""
     base = layout.bound()
     done: Step = []
     for at_risk in range(len(layout.totals)):
         if len(layout.members[at_risk]) != 1:
             continue
-        best_v, best = (-1.0, False), None
-        for s, members in enumerate(layout.members):
-            if len(members) < 3:
-                continue
-            for node_id in members:
-                if not movable(node_id) or any(node_id == d[0] for d in done):
+        for allowed in (lambda n: movable(n) and prefer(n), movable):
+            best_v, best = -1.0, None
+            for s, members in enumerate(layout.members):
+                if len(members) < 3:
                     continue
-                r = layout.rates[node_id]
-                v = (layout.bound_with({s: -r[s], at_risk: r[at_risk]}), prefer(node_id))
-                if v > best_v:
-                    best_v, best = v, (node_id, s, at_risk)
-        if best is not None and best_v[0] >= (1 - tolerance) * base:
-            layout.move(best[0], at_risk)
-            done.append(best)
+                for node_id in members:
+                    if not allowed(node_id) or any(node_id == d[0] for d in done):
+                        continue
+                    r = layout.rates[node_id]
+                    v = layout.bound_with({s: -r[s], at_risk: r[at_risk]})
+                    if v > best_v:
+                        best_v, best = v, (node_id, s, at_risk)
+            if best is not None and best_v >= (1 - tolerance) * base:
+                layout.move(best[0], at_risk)
+                done.append(best)
+                break
     return done
 
 
@@ -734,7 +737,7 @@ def rebalance(
     # three or more to one with one, and throughput moves never take a stage below two), and
     # a stage's one replica cannot wait 15 min for a node that joined the wrong stage
     # because the coordinator had not yet seen the node it replaces die. Still a node out of
-    # its cool-down first, where one serves as well.
+    # its cool-down first, where one can go.
     safe = _safety_applies(len(assignment), n_stages, policy)
     if safe:
         step = _fill_second_replicas(
