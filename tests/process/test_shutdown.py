@@ -39,6 +39,33 @@ def test_a_task_that_drops_a_cancel_is_cancelled_again_until_it_ends() -> None:
     assert asyncio.run(main()) == ["yes"]
 
 
+def test_a_task_whose_cancel_asyncio_wait_for_dropped_is_stopped() -> None:
+    """The coordinator's hang, in miniature: the MQTT watch is connecting (aiomqtt awaits
+    the CONNACK through asyncio.wait_for) when it is cancelled, the CONNACK comes in the
+    same turn of the loop, and on Python 3.11 wait_for returns it instead of raising: the
+    watch goes on to read MQTT. One cancel and a wait would never end."""
+
+    async def main() -> bool:
+        connack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        reading = asyncio.Event()
+
+        async def watch() -> None:
+            await asyncio.wait_for(connack, timeout=10)
+            reading.set()
+            await asyncio.sleep(3600)  # reading MQTT
+
+        task = asyncio.create_task(watch())
+        await asyncio.sleep(0)  # it awaits the CONNACK now
+        connack.set_result(None)
+        task.cancel()
+        await stop_tasks([task], 60.0, "the watch")
+        assert task.cancelled()
+        return reading.is_set()
+
+    dropped = asyncio.run(main())
+    assert dropped == (sys.version_info < (3, 12))  # the premise, where it still holds
+
+
 def test_a_task_that_never_ends_is_given_up_on(caplog: pytest.LogCaptureFixture) -> None:
     release = asyncio.Event()
 
