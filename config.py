@@ -503,7 +503,8 @@ class CoordinatorConfig:
     rebalance_every_s: float = 30.0
     """Seconds between rebalancing rounds (coordinator/placement.py `rebalance`); a node's
     rate moving by a quarter calls one sooner. 0: never rebalance for throughput (a stage
-    that loses its last replica is still refilled at once)."""
+    that loses its last replica is still refilled at once, and one left with a single
+    replica while another has three still gets a second)."""
     move_cooldown_s: float = 900.0
     """A node that joined or moved this recently is not moved for throughput or safety."""
     move_min_gain: float = 0.10

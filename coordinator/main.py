@@ -6,7 +6,8 @@ to leave (they need its embedded broker to hear that the run is done; at most
 serving Status instead, until SIGTERM/SIGINT.
 
 Exit codes: 0 when the run is done or after SIGTERM/SIGINT, 2 for a configuration error,
-1 otherwise.
+1 otherwise (a clean stop that outlasts `STOP_BUDGET_S` among them); a second SIGTERM/SIGINT
+exits at once with 128 + the signal's number (process/shutdown.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 
 LEAVE_GRACE_S = 15.0
 """How long a finished coordinator waits for its nodes to leave before it exits."""
+STOP_STEP_S = 5.0
+"""The most each part of the clean stop (the background tasks, the gRPC server, the
+embedded broker) may take; past it the stop goes on without that part."""
+STOP_BUDGET_S = 30.0
+"""The most the whole clean stop may take after SIGTERM/SIGINT (process/shutdown.py): its
+parts take 3 * STOP_STEP_S at most, and docker kills a container 10 s after its SIGTERM."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +119,14 @@ def _check_plaintext(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from swarmpipe.process.shutdown import StopSignals
+
+    # First of all, so that a SIGTERM during start-up (slow imports, the first join token,
+    # the broker starting) stops the coordinator cleanly once start-up is over.
+    stop = asyncio.Event()
+    signals = StopSignals(budget_s=STOP_BUDGET_S)
+    signals.install()
+    signals.connect(lambda _name: stop.set())
     endpoint = metrics_endpoint(args)
     # Imported here, not above: grpc, the broker and the MQTT client take a while to
     # import, which `swarmpipe coordinator --help` must not wait for (process/subcommands.py).
@@ -156,7 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
             listen = f"{_split_hostport(listen)[0]}:{grpc_port}"
         if broker_port and _split_hostport(broker_listen)[1] == 0:
             broker_listen = f"{_split_hostport(broker_listen)[0]}:{broker_port}"
-        return await _serve(args, service, endpoint, listen, broker_listen)
+        return await _serve(args, service, endpoint, listen, broker_listen, stop=stop)
     finally:
         db.close()
 
@@ -257,6 +271,8 @@ async def _serve(
     endpoint: tuple[str, int] | None,
     listen: str,
     broker_listen: str,
+    *,
+    stop: asyncio.Event,
 ) -> int:
     from swarmpipe.control.bus import BrokerAddress, parse_broker_url
     from swarmpipe.control.mqtt_acl import COORDINATOR_USER
@@ -265,6 +281,7 @@ async def _serve(
     from swarmpipe.coordinator.summary import summary_lines
     from swarmpipe.process.metrics import MetricsServer, serve_metrics
     from swarmpipe.process.ready import write_ready_file
+    from swarmpipe.process.shutdown import bounded, stop_tasks
     from swarmpipe.protos import coordinator_pb2
     from swarmpipe.transport import tls
     from swarmpipe.transport.auth import AuthInterceptor
@@ -326,10 +343,6 @@ async def _serve(
             lambda: coordinator_families(service.status(), stages=stages),
         )
         logger.info("metrics on %s", metrics.url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(service.watch_mqtt())
     revocations = asyncio.create_task(service.watch_tokens())
     grace = asyncio.create_task(service.wait_for_members())
@@ -377,16 +390,17 @@ async def _serve(
                 1e3 * max(costs),
             )
     finally:
-        revocations.cancel()
-        grace.cancel()
-        rebalancing.cancel()
-        applies.cancel()
-        watch.cancel()
-        # Its exception, if any, was raised above; the server must stop all the same.
-        await asyncio.gather(watch, return_exceptions=True)
-        await server.stop(grace=2.0)
+        # Every part is bounded: a stop that waits on a part that never ends is a
+        # coordinator that ignores SIGTERM (process/shutdown.py).
+        # The watch's exception, if any, was raised above; the rest must stop all the same.
+        await stop_tasks(
+            (revocations, grace, rebalancing, applies, watch),
+            STOP_STEP_S,
+            "the MQTT watch and the background tasks",
+        )
+        await bounded(server.stop(grace=2.0), STOP_STEP_S, "the gRPC server")
         if metrics is not None:
             metrics.close()
         if embedded is not None:
-            await embedded.stop()
+            await bounded(embedded.stop(), STOP_STEP_S, "the embedded MQTT broker")
     return 0

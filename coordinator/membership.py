@@ -8,6 +8,8 @@ coordinator/fleet_model.py reads it from the nodes' telemetry:
 - `heal`: when a stage loses its last live replica and no node is on its way to it, the
   node that costs the rest least moves there, never a stage's last replica
   (`placement.refill`).
+- `second_replicas`: at every change, a stage left with one replica while another has
+  three or more gets a second (`placement.second_replicas`), cool-down or not.
 - `rebalance`: the periodic round (and one on a large rate change): second replicas, then
   throughput moves that pay for their state download, with hysteresis
   (`placement.rebalance`). It waits while any node is still fetching a stage's state, so
@@ -265,6 +267,38 @@ class Membership:
             if old is not None and placement.rate_changed(old, rate, self.policy):
                 return True
         return False
+
+    def second_replicas(self, now: float) -> list[MoveOrder]:
+        """A second replica for a stage left with one while another has three or more
+        (`placement.second_replicas`), the moment the serving nodes show it, not at the
+        next rebalancing round: the run may be over by then. None while a node is still
+        fetching a stage's state, as for `rebalance`."""
+        live = self.live()
+        assignment = {m.node_id: m.stage for m in live}
+        counts = placement.replica_counts(assignment, self.num_stages)
+        if 1 not in counts or max(counts) < 3:
+            return []  # the common case, checked first: this runs at every change
+        if any(not m.serving and self._holds_stage(m, now) for m in self.members.values()):
+            return []
+        specs, caps = self.fleet(live)
+        moves = placement.second_replicas(
+            assignment,
+            caps,
+            specs,
+            self.policy,
+            now=now,
+            last_moved={m.node_id: m.moved_at for m in live},
+        )
+        bound = placement.throughput_bound(assignment, caps, specs)
+        return [
+            self.move(
+                self.members[mv.node_id],
+                mv.to_stage,
+                self._reason(mv, caps, specs, bound, bound),
+                now=now,
+            )
+            for mv in moves
+        ]
 
     def rebalance(self, now: float) -> list[MoveOrder]:
         """One rebalancing round (`placement.rebalance`): the moves it ordered, each with

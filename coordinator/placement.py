@@ -41,17 +41,19 @@ stage two, and never take a stage's last replica.
 
 **Rebalancing** (`rebalance`), in this order: (1) a stage with no replica gets the node
 that costs the rest least, at once, whatever the cool-down or gain; (2) at-risk stages get
-a second replica under the rule above; (3) throughput: the local improvement above, from
-the current assignment, where each move must pay for itself and the whole batch must raise
-the bound by `min_gain` (10 %) or it is dropped. A move pays when, over `horizon_s`, the
-samples it gains after the mover is in place exceed those lost while it downloads the
-state (`move_overhead_s` + state bytes / its inbound bandwidth): the mover is gone from its
-stage, and one replica of the stage it goes to is charged as serving nothing while it
-streams the state. A batch leaves every stage one of the replicas it had (a mover stops
-serving at once, a node moving in only once it holds the state, so a chain of moves must not
-take a stage's last present replica while others are on their way). Hysteresis is the gain
-threshold plus a per-node cool-down after a join or move: ±3 % noise on every rate can fake
-at most a 1.03/0.97 - 1 = 6.2 % gain, under 10 %.
+a second replica under the rule above, at once too (a node out of its cool-down first,
+where one can go: these moves cannot oscillate); (3) throughput: the local
+improvement above, from the current assignment, where each move must pay for itself and the
+whole batch must raise the bound by `min_gain` (10 %) or it is dropped. A move pays when,
+over `horizon_s`, the samples it gains after the mover is in place exceed those lost while
+it downloads the state (`move_overhead_s` + state bytes / its inbound bandwidth): the mover
+is gone from its stage, and one replica of the stage it goes to is charged as serving
+nothing while it streams the state. A batch leaves every stage one of the replicas it had
+(a mover stops serving at once, a node moving in only once it holds the state, so a chain
+of moves must not take a stage's last present replica while others are on their way).
+Hysteresis is the gain threshold plus a per-node cool-down after a join or move (for
+throughput moves): ±3 % noise on every rate can fake at most a 1.03/0.97 - 1 = 6.2 % gain,
+under 10 %.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ class PlacementPolicy:
     """How far ahead a move's gain is counted against its cost: about how long a volunteer
     node stays (10 % leave per hour means a mean stay of 10 h; one hour is cautious)."""
     cooldown_s: float = 900.0
-    """A node that joined or moved this recently is not moved for throughput or safety."""
+    """A node that joined or moved this recently is not moved for throughput (a second
+    replica takes one only when no node out of its cool-down can go)."""
     safety_tolerance: float = 0.10
     """Second replicas come first while they cost the bound at most this fraction."""
     move_overhead_s: float = 30.0
@@ -520,32 +523,40 @@ def _improve(
     return done
 
 
+def _always(node_id: str) -> bool:
+    return True
+
+
 def _fill_second_replicas(
     layout: _Layout,
     movable: Callable[[str], bool],
     tolerance: float,
+    prefer: Callable[[str], bool] = _always,
 ) -> Step:
     """Give each stage with one replica a second from a stage with three or more, while the
-    bound stays within `tolerance` of what it was."""
+    bound stays within `tolerance` of what it was: a node `prefer` picks if one can go, else
+    any node `movable` allows."""
     base = layout.bound()
     done: Step = []
     for at_risk in range(len(layout.totals)):
         if len(layout.members[at_risk]) != 1:
             continue
-        best_v, best = -1.0, None
-        for s, members in enumerate(layout.members):
-            if len(members) < 3:
-                continue
-            for node_id in members:
-                if not movable(node_id) or any(node_id == d[0] for d in done):
+        for allowed in (lambda n: movable(n) and prefer(n), movable):
+            best_v, best = -1.0, None
+            for s, members in enumerate(layout.members):
+                if len(members) < 3:
                     continue
-                r = layout.rates[node_id]
-                v = layout.bound_with({s: -r[s], at_risk: r[at_risk]})
-                if v > best_v:
-                    best_v, best = v, (node_id, s, at_risk)
-        if best is not None and best_v >= (1 - tolerance) * base:
-            layout.move(best[0], at_risk)
-            done.append(best)
+                for node_id in members:
+                    if not allowed(node_id) or any(node_id == d[0] for d in done):
+                        continue
+                    r = layout.rates[node_id]
+                    v = layout.bound_with({s: -r[s], at_risk: r[at_risk]})
+                    if v > best_v:
+                        best_v, best = v, (node_id, s, at_risk)
+            if best is not None and best_v >= (1 - tolerance) * base:
+                layout.move(best[0], at_risk)
+                done.append(best)
+                break
     return done
 
 
@@ -636,10 +647,6 @@ def _search(
     return best
 
 
-def _always(node_id: str) -> bool:
-    return True
-
-
 def replica_counts(assignment: Mapping[str, int], num_stages: int) -> list[int]:
     """How many nodes hold each stage."""
     counts = [0] * num_stages
@@ -713,9 +720,7 @@ def rebalance(
             )
 
     def cooled(node_id: str) -> bool:
-        return (
-            node_id not in taken and now - last_moved.get(node_id, -math.inf) >= policy.cooldown_s
-        )
+        return node_id not in taken and _cooled(node_id, now, last_moved, policy)
 
     # 1. A stage with no replica trains nothing: fill it at once, from the stage that can
     # spare a node best, preferring stages that keep two replicas.
@@ -727,9 +732,18 @@ def rebalance(
             layout.move(step[0][0], empty)
             record(step, "empty-stage")
 
+    # 2. Second replicas whatever the cool-down, which is there against throughput moves
+    # chasing noise: these cannot go round in circles (each takes a node from a stage with
+    # three or more to one with one, and throughput moves never take a stage below two), and
+    # a stage's one replica cannot wait 15 min for a node that joined the wrong stage
+    # because the coordinator had not yet seen the node it replaces die. Still a node out of
+    # its cool-down first, where one can go.
     safe = _safety_applies(len(assignment), n_stages, policy)
     if safe:
-        record(_fill_second_replicas(layout, cooled, policy.safety_tolerance), "second-replica")
+        step = _fill_second_replicas(
+            layout, lambda n: n not in taken, policy.safety_tolerance, prefer=cooled
+        )
+        record(step, "second-replica")
 
     before = layout.bound()
 
@@ -748,6 +762,46 @@ def rebalance(
     if steps and (after >= (1 + policy.min_gain) * before if before > 0 else after > 0):
         record(steps, "throughput")
     return moves
+
+
+def second_replicas(
+    assignment: Mapping[str, int],
+    nodes: Mapping[str, NodeCaps],
+    stages: Sequence[StageSpec],
+    policy: PlacementPolicy,
+    *,
+    now: float,
+    last_moved: Mapping[str, float],
+) -> list[Move]:
+    """Rebalancing's second rule alone: a second replica for each stage with one, from a
+    stage with three or more, within `safety_tolerance`. The coordinator calls it whenever
+    its members change, so a stage at risk does not wait for the next periodic round."""
+    if not _safety_applies(len(assignment), len(stages), policy):
+        return []
+    layout = _Layout(rate_table((nodes[k] for k in assignment), stages), assignment, len(stages))
+    step = _fill_second_replicas(
+        layout,
+        _always,
+        policy.safety_tolerance,
+        prefer=lambda n: _cooled(n, now, last_moved, policy),
+    )
+    return [
+        Move(
+            node_id=node_id,
+            from_stage=src,
+            to_stage=dst,
+            reason="second-replica",
+            download_s=download_seconds(nodes[node_id], stages[dst], policy),
+        )
+        for node_id, src, dst in step
+    ]
+
+
+def _cooled(
+    node_id: str, now: float, last_moved: Mapping[str, float], policy: PlacementPolicy
+) -> bool:
+    """Whether `node_id` joined or last moved at least the cool-down ago."""
+    return now - last_moved.get(node_id, -math.inf) >= policy.cooldown_s
 
 
 def refill(

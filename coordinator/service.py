@@ -406,6 +406,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             p.pause()
         if self._may_move():
             await self._heal()
+            for order in self.membership.second_replicas(time.monotonic()):
+                await self._moved(order)
         if p.phase is Phase.APPLY:
             if before[0] is not Phase.APPLY:
                 # The step just ended: every live node must apply it before the next opens.

@@ -59,6 +59,7 @@ from swarmpipe.node.transport import EncodeOptions, LinkStats
 from swarmpipe.process.logs import set_log_identity
 from swarmpipe.process.metrics import MetricsServer, serve_metrics
 from swarmpipe.process.ready import write_ready_file
+from swarmpipe.process.shutdown import stop_tasks
 from swarmpipe.protos import control_pb2, coordinator_pb2, stage_pb2
 from swarmpipe.transport import tls
 from swarmpipe.transport.auth import CREDENTIAL_KEY, AuthInterceptor, CredentialHolder, Verifier
@@ -78,6 +79,8 @@ STATUS_INTERVAL_S = 15.0
 # then twice as long each time (1, 2 and 4 s by default).
 BUS_ATTEMPTS = 4
 DRAIN_TIMEOUT_S = 30.0
+STOP_TASKS_S = 5.0
+"""The most the node's background tasks may take to end once cancelled, at its stop."""
 
 
 def _refused_as_revoked(exc: grpc.aio.AioRpcError) -> bool:
@@ -263,17 +266,28 @@ class NodeDaemon:
             host = self.options.advertise_host or self.options.listen.rpartition(":")[0]
             if host in ("", "0.0.0.0", "::", "[::]"):
                 host = _route_host(coord_host)
-            reply = await self.coordinator.join(
-                coordinator_pb2.JoinRequest(
-                    node_id=self.node_id,
-                    address=f"{host}:{port}",
-                    version=__version__,
-                    incarnation=self.incarnation,
-                    tls_public_key=tls.public_pem(self._tls_key) if self._tls_key else b"",
-                ),
-                timeout_s=self.options.join_timeout_s,
-                token=self.options.token,
+            joining = asyncio.ensure_future(
+                self.coordinator.join(
+                    coordinator_pb2.JoinRequest(
+                        node_id=self.node_id,
+                        address=f"{host}:{port}",
+                        version=__version__,
+                        incarnation=self.incarnation,
+                        tls_public_key=tls.public_pem(self._tls_key) if self._tls_key else b"",
+                    ),
+                    timeout_s=self.options.join_timeout_s,
+                    token=self.options.token,
+                )
             )
+            # Joining can take join_timeout_s (a coordinator that is down): a SIGTERM
+            # meanwhile leaves at once, joined to nothing.
+            stopped = asyncio.ensure_future(self.status.wait_stop())
+            await asyncio.wait({joining, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not joining.done():
+                await stop_tasks([joining], STOP_TASKS_S, "the join")
+                return self.status.stop_reason
+            reply = joining.result()
             joined_at = time.time()
             self._take_certificate(reply)
             self.credential.set(CREDENTIAL_KEY, reply.credential)
@@ -681,9 +695,8 @@ class NodeDaemon:
     async def _cancel_tasks(self) -> None:
         tasks = list(self._tasks)
         self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Cancelled again while they run on: Python 3.11 can drop a cancel (shutdown.py).
+        await stop_tasks(tasks, STOP_TASKS_S, "the node's background tasks")
 
     def stop(self, reason: str, *, failed: bool = False) -> None:
         """Leave the run cleanly (signal handlers call this)."""

@@ -3,7 +3,9 @@
 Exit codes: 0 when the run finished, the node was drained, or it got
 SIGTERM/SIGINT; 2 for bad arguments or config; 3 when the coordinator cannot
 be reached; 4 when the run does not admit the node (no valid join token) or the
-organiser revoked its token; 1 for anything unexpected.
+organiser revoked its token; 1 for anything unexpected (a clean stop that outlasts
+`STOP_BUDGET_S` among them); a second SIGTERM/SIGINT exits at once with 128 + the
+signal's number (process/shutdown.py).
 
 The join token comes from `--token-file PATH`, else `$SWARMPIPE_TOKEN`, else `--token`
 (which any user of the machine can read in `ps`, hence the warning).
@@ -12,10 +14,8 @@ The join token comes from `--token-file PATH`, else `$SWARMPIPE_TOKEN`, else `--
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
 
 from swarmpipe.errors import ConfigError, CoordinatorUnavailable, NotAdmitted
@@ -23,6 +23,11 @@ from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpo
 from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
 
 logger = logging.getLogger(__name__)
+
+STOP_BUDGET_S = 60.0
+"""The most a clean stop may take after SIGTERM/SIGINT (process/shutdown.py): up to 30 s
+letting the microbatches in flight finish (node/daemon.py, DRAIN_TIMEOUT_S), then the
+goodbye over MQTT and closing the servers."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +128,11 @@ def join_token(args: argparse.Namespace) -> str:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from swarmpipe.process.shutdown import StopSignals
+
+    # Before torch is imported (seconds): a SIGTERM meanwhile stops the node once it is built.
+    signals = StopSignals(budget_s=STOP_BUDGET_S)
+    signals.install()
     metrics = metrics_endpoint(args)
     # Imported here, not above: the daemon imports torch, which `swarmpipe node --help`
     # and a bad flag must not wait for (process/subcommands.py).
@@ -177,9 +187,7 @@ async def serve(args: argparse.Namespace) -> int:
     # Until it knows its stage (daemon.py adds it at Join), a node's lines carry its id.
     set_log_identity(f"node {options.node_id}", node=options.node_id)
     daemon = NodeDaemon(options)
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, daemon.stop, "SIGTERM")
-    loop.add_signal_handler(signal.SIGINT, daemon.stop, "SIGINT")
+    signals.connect(daemon.stop)
     try:
         await daemon.run()
     except CoordinatorUnavailable as exc:

@@ -176,6 +176,55 @@ def test_moves_wait_for_the_cooldown() -> None:
     assert m.rebalance(joined + 901.0) != []
 
 
+# Three stages of two replicas each lose one and get a fresh node: the coordinator may see a
+# death (the broker's Last Will, seconds after a SIGKILL) before or after any fresh node
+# registers, in any order. Of the 720 orders, those where nothing but the time of a death
+# decides (the first three went wrong with the cool-down holding second replicas back), and
+# the plain ones.
+_CHURN_ORDERS = [
+    "gone0 join0 join1 gone1 gone2 join2",
+    "join0 join1 gone0 join2 gone1 gone2",
+    "join2 gone0 join1 gone2 gone1 join0",
+    "gone0 join0 gone1 join1 gone2 join2",
+    "join0 join1 join2 gone0 gone1 gone2",
+    "gone2 gone1 gone0 join2 join1 join0",
+]
+
+
+@pytest.mark.parametrize("order", _CHURN_ORDERS)
+def test_after_churn_every_stage_gets_back_two_replicas_in_any_order_of_events(
+    order: str,
+) -> None:
+    """Wherever the fresh nodes land, the coordinator evens the stages out to two replicas
+    each as soon as the serving nodes show a stage with one (it calls `second_replicas` at
+    every change), though every node joined within the cool-down (integration test:
+    tests/integration/test_churn_headline.py)."""
+    m = make(3, cooldown_s=900.0)
+    for name, stage in (("a", 0), ("b", 0), ("c", 1), ("d", 1), ("e", 2), ("f", 2)):
+        serve(m, name, stage)
+    rates = dict.fromkeys("abcdef", 10.0)
+    report(m, rates, dict.fromkeys(rates, 1e9))
+    victims = {0: "b", 1: "d", 2: "f"}
+    orders = []
+    for what, stage in ((e[:-1], int(e[-1])) for e in order.split()):
+        if what == "gone":
+            m.members[victims[stage]].online = False
+        else:
+            fresh = m.assign(f"fresh{stage}", "x:1")
+            fresh.online = fresh.announced = True
+            assert m.second_replicas(fresh.moved_at) == [], "a node still fetches: no move yet"
+            fresh.serving = True
+            rates[fresh.node_id] = 10.0
+            report(m, rates, dict.fromkeys(rates, 1e9))
+        now = max(member.moved_at for member in m.members.values())
+        orders += m.second_replicas(now)
+        arrive(m)
+    assert all(o.reason.startswith("second replica") for o in orders), orders
+    assert m.rebalance(now + 1.0) == []
+    counts = placement.replica_counts({n.node_id: n.stage for n in m.live()}, 3)
+    assert counts == [2, 2, 2], (counts, orders)
+
+
 def test_a_stable_fleet_with_noisy_rates_makes_no_moves_in_1000_rounds() -> None:
     """Hysteresis through the live path: once the policy has settled a fleet, +-3 % noise
     on every rate and link makes zero moves. (While it settles, the jitter starts the local

@@ -19,6 +19,7 @@ from swarmpipe.coordinator.placement import (
     rebalance,
     relaxed_upper_bound,
     replica_counts,
+    second_replicas,
     stage_rates,
     stages_from_cuts,
     throughput_bound,
@@ -182,7 +183,32 @@ def test_a_stage_that_loses_its_last_replica_gets_one_at_once() -> None:
     refill = [m for m in moves if m.reason == "empty-stage"]
     assert len(refill) == 1 and refill[0].to_stage == 2
     assert refill[0].from_stage == 1  # stage 1 has the surplus (16/s against 12/s)
-    assert all(m.reason == "empty-stage" for m in moves)  # the others are cooling down
+    # The cool-down holds throughput moves back, not the refilled stage's second replica:
+    # 7 nodes on 3 stages can give every stage two.
+    second = [m for m in moves if m.reason == "second-replica"]
+    assert len(second) == 1 and second[0].to_stage == 2, moves
+    assert len(moves) == 2
+
+
+def test_a_second_replica_comes_from_a_node_out_of_its_cool_down_where_one_can_go() -> None:
+    stages = (StageSpec(), StageSpec())
+    nodes = {
+        n: NodeCaps(node_id=n, speed=10.0, bandwidth_in=1e9, bandwidth_out=1e9) for n in "abcd"
+    }
+    assignment = {"a": 0, "b": 0, "c": 0, "d": 1}
+    policy = PlacementPolicy()
+    for last_moved, movers in (
+        ({"a": 99.0, "c": 99.0, "d": 99.0}, {"b"}),  # b joined long ago: b goes
+        (dict.fromkeys(nodes, 99.0), {"a", "b", "c"}),  # all cooling down: one goes all the same
+    ):
+        for moves in (
+            rebalance(assignment, nodes, stages, policy, now=100.0, last_moved=last_moved),
+            second_replicas(assignment, nodes, stages, policy, now=100.0, last_moved=last_moved),
+        ):
+            assert [(m.from_stage, m.to_stage, m.reason) for m in moves] == [
+                (0, 1, "second-replica")
+            ]
+            assert moves[0].node_id in movers
 
 
 def test_rebalancing_never_empties_a_stage() -> None:
