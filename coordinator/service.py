@@ -792,8 +792,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             stage=suspect.stage,
             stage_peers=peers,
             now=time.monotonic(),
+            sole_server=suspect.serving and not suspect.drained and not peers,
         )
         if entry is None:
+            if kinds[request.kind] == DATA and suspect.serving and not peers:
+                logger.warning(
+                    "node %s (stage %d) not benched although %s reported that %s: it is its "
+                    "stage's only serving replica",
+                    request.suspect,
+                    suspect.stage,
+                    request.reporter,
+                    request.reason[:300],
+                )
             return coordinator_pb2.ReportPeerReply(benched=False)
         logger.warning(
             "node %s (stage %d) benched for %.0f s at step %d: %s reported that %s",

@@ -12,7 +12,12 @@ report benches: a hostile node can bench its neighbours that way, a known limit
 until calls carry credentials.
 
 A benched node is drained (out of the plan; it stops) and its Join is refused
-until `bench_s` has passed.
+until `bench_s` has passed. A data-plane report never benches the only serving
+replica of its stage: nobody could take its traffic, so the run would stand still
+for `bench_s` on one witness's word (seen in CI: an honest gradient at 111x the
+running median, against the 100x bound, stopped a run); its refused tensors stay
+refused, the report is logged, and once the stage has another replica the next
+report benches it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Suspects:
     benched: dict[str, Benched] = field(default_factory=dict)
     history: list[Benched] = field(default_factory=list)
     accepted: int = 0
+    spared: int = 0
+    """Data-plane reports that would have benched their stage's only serving replica."""
 
     def report(
         self,
@@ -55,10 +62,12 @@ class Suspects:
         stage: int,
         stage_peers: set[str],
         now: float,
+        sole_server: bool = False,
     ) -> Benched | None:
         """Record one report; the new bench when it tips the suspect over the threshold.
 
-        `stage_peers` are the suspect's stage's other serving replicas (for a reduce report).
+        `stage_peers` are the suspect's stage's other serving replicas (for a reduce report);
+        `sole_server`: the suspect serves its stage alone (a data-plane report spares it).
         """
         self.accepted += 1
         key = (suspect, step, kind)
@@ -74,6 +83,9 @@ class Suspects:
             # At least two voters: in a stage of two replicas either could be the odd one.
             if len(voters) < 2 or 2 * len(voters) <= len(stage_peers):
                 return None
+        elif sole_server:
+            self.spared += 1
+            return None
         entry = Benched(
             node_id=suspect,
             stage=stage,

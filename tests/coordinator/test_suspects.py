@@ -5,8 +5,17 @@ from __future__ import annotations
 from swarmpipe.coordinator.suspects import DATA, REDUCE, Suspects
 
 
-def _report(s: Suspects, reporter: str, suspect: str, peers: set[str], kind: str = REDUCE):  # type: ignore[no-untyped-def]
+def _report(
+    s: Suspects,
+    reporter: str,
+    suspect: str,
+    peers: set[str],
+    kind: str = REDUCE,
+    *,
+    sole: bool = False,
+):  # type: ignore[no-untyped-def]
     return s.report(
+        sole_server=sole,
         reporter=reporter,
         suspect=suspect,
         step=4,
@@ -41,7 +50,16 @@ def test_in_a_stage_of_two_one_replica_cannot_bench_the_other() -> None:
 
 def test_a_data_plane_refusal_benches_on_one_report() -> None:
     s = Suspects(bench_s=60.0)
-    assert _report(s, "a", "y", set(), kind=DATA) is not None
+    assert _report(s, "a", "y", set(), kind=DATA) is not None  # it serves nothing now
+
+
+def test_a_data_plane_refusal_never_benches_a_stages_only_replica() -> None:
+    # Nobody could take its traffic: benching it would stop the run for bench_s.
+    s = Suspects(bench_s=60.0)
+    assert _report(s, "a", "y", set(), kind=DATA, sole=True) is None
+    assert not s.is_benched("y", 100.0) and s.spared == 1
+    # Once the stage has another serving replica, the next report benches.
+    assert _report(s, "a", "y", {"z"}, kind=DATA) is not None
 
 
 def test_bench_zero_reports_without_refusing() -> None:
