@@ -170,6 +170,11 @@ def _views(
     return {
         "bound": statistics.median(p.bound for p in chosen),
         "best_bound": statistics.median(p.best_bound for p in chosen),
+        # The model's parts: the slowest stage alone, and a step's fixed costs it counts.
+        "stream_bound": statistics.median(p.stream_bound for p in chosen),
+        "best_stream_bound": statistics.median(p.best_stream_bound for p in chosen),
+        "step_fill_s": statistics.median(p.step_fill_s for p in chosen),
+        "step_barrier_s": statistics.median(p.step_barrier_s for p in chosen),
         "host_bound": statistics.median(hosts) if hosts else None,
         "stage_rates": [round(r, 2) for r in chosen[-1].stage_rates],
         "compute_rates": {n.node_id: round(n.compute, 2) for n in chosen[-1].nodes},
@@ -317,7 +322,13 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
         for k in ("leased", "committed", "replayed", "duplicates", "lost", "outstanding")
     }
     figures["moves"] = [
-        {"node": m.node_id, "from": m.from_stage, "to": m.to_stage, "reason": m.reason}
+        {
+            "node": m.node_id,
+            "from": m.from_stage,
+            "to": m.to_stage,
+            "at_seconds": round(m.elapsed_s, 1),
+            "reason": m.reason,
+        }
         for m in watch.status.moves
     ]
     return figures
