@@ -13,9 +13,13 @@ telemetry). Prints JSON with samples/s measured from the step records
 - just after it (steps finished between the drop and the first move),
 - after the rebalance (steps that began once every mover served its new stage),
 
-each beside the model's bound for that fleet at that time, and `recovered_fraction`: the
-samples/s after the rebalance over the best bound the model computes for the fleet with the
-fallen link (target: at least 0.8). All three come from one run, so the ratios mean
+each beside the model's bound for that fleet at that time (whole steps' samples/s: the
+slowest stage's rate, `stream_bound`, with a step's measured fill and barrier,
+`step_fill_s` and `step_barrier_s`, counted), and `recovered_fraction`: the samples/s after
+the rebalance over the best bound the model computes for the fleet with the fallen link
+(target: at least 0.8). When the coordinator orders no move after the fall (the model
+finds no better plan), "after the rebalance" is the whole time after the fall and
+`moves_after_drop` is 0. All three come from one run, so the ratios mean
 something on a noisy host; the absolute figures do not travel.
 
 The model counts every node as a machine of its own. A testnet shares this host's cores, so
@@ -88,7 +92,10 @@ GONE_AFTER_FAILURES = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=6, help="testnet nodes")
+    # Seven: with six equal nodes on two replicas a stage, no plan beats the one the fall
+    # leaves (the model's best plan is where the nodes are), so there is no rebalance to
+    # measure; a seventh node gives a stage a replica to spare.
+    parser.add_argument("--nodes", type=int, default=7, help="testnet nodes")
     parser.add_argument("--stages", type=int, default=3, help="pipeline stages")
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps in the run")
     parser.add_argument(
@@ -170,6 +177,11 @@ def _views(
     return {
         "bound": statistics.median(p.bound for p in chosen),
         "best_bound": statistics.median(p.best_bound for p in chosen),
+        # The model's parts: the slowest stage alone, and a step's fixed costs it counts.
+        "stream_bound": statistics.median(p.stream_bound for p in chosen),
+        "best_stream_bound": statistics.median(p.best_stream_bound for p in chosen),
+        "step_fill_s": statistics.median(p.step_fill_s for p in chosen),
+        "step_barrier_s": statistics.median(p.step_barrier_s for p in chosen),
         "host_bound": statistics.median(hosts) if hosts else None,
         "stage_rates": [round(r, 2) for r in chosen[-1].stage_rates],
         "compute_rates": {n.node_id: round(n.compute, 2) for n in chosen[-1].nodes},
@@ -317,7 +329,13 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
         for k in ("leased", "committed", "replayed", "duplicates", "lost", "outstanding")
     }
     figures["moves"] = [
-        {"node": m.node_id, "from": m.from_stage, "to": m.to_stage, "reason": m.reason}
+        {
+            "node": m.node_id,
+            "from": m.from_stage,
+            "to": m.to_stage,
+            "at_seconds": round(m.elapsed_s, 1),
+            "reason": m.reason,
+        }
         for m in watch.status.moves
     ]
     return figures
@@ -379,15 +397,18 @@ def _drop_and_watch(
     end = steps[-1].elapsed_s if steps else 0.0
     warmup = steps[min(2, len(steps) - 1)].elapsed_s if steps else 0.0
     cores = float(len(os.sched_getaffinity(0)))
+    # No move after the fall: the model found no plan better than where the nodes are, so
+    # the swarm as it stands is "after the rebalance" (said by moves_after_drop: 0).
+    unmoved = t_moved is None and not stall.stalled
     windows = {
         "before": (warmup, t_drop),
         "after_drop": (t_drop, t_moved if t_moved is not None else end),
-        "after_rebalance": (t_served if t_served is not None else end, end),
+        "after_rebalance": (t_drop if unmoved else (t_served or end), end),
     }
     figures: dict[str, Any] = {}
     for name, (start, stop) in windows.items():
         rate, n = rate_between(steps, start, stop)
-        if name == "after_rebalance" and t_served is None:
+        if name == "after_rebalance" and t_served is None and not unmoved:
             rate, n = None, 0
         view = _views(watch.views, start, stop, cores)
         figures[name] = {"samples_per_second": rate, "steps": n} | view
@@ -409,6 +430,7 @@ def _drop_and_watch(
         "drop_at_seconds": t_drop,
         "first_move_at_seconds": t_moved,
         "movers_serving_at_seconds": t_served,
+        "moves_after_drop": len(watch.status.moves) - moves_before,
         "stalled_at_step": len(steps) if stall.stalled else None,
         **figures,
         "recovered_fraction": _ratio(after["samples_per_second"], best),

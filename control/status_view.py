@@ -34,7 +34,8 @@ Top-level keys of the object (a value is null where the swarm has not measured i
   `reporters`, `reason`, `seconds_left` until it may join again), and `reports`, the
   reports of poisoned tensors the coordinator accepted.
 - `model`: what the coordinator's throughput model (the one placement runs) makes of the
-  serving nodes: `bound` (samples/s at most, its slowest stage), `best_bound` (the best plan
+  serving nodes: `bound` (samples/s at most in whole steps: its slowest stage, with a step's
+  fill and barrier counted), `best_bound` (the best plan
   for the same nodes; null for fleets over 256), `stage_rates`, and per node `compute`,
   `effective` (capped by its links) and `limited_by` (`compute` or `bandwidth`).
 

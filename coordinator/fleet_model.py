@@ -14,11 +14,12 @@ What each figure comes from (protos/control.proto, `Telemetry`):
 - Bytes per sample across each cut, per direction: a sender's `wire_bytes` on its activation
   (gradient) links over the samples it processed, the median over a stage's replicas (the
   codecs in use are in those bytes: a link that compresses harder shows fewer).
-- The replicas' reduce (gradient sums among a stage's replicas, once a step) is link load
-  too: its `wire_bytes` over the samples, the median over the stage's replicas, is added to
-  the stage's bytes each way (a replica receives what the others send it). With few samples
-  a step it can outweigh the activations, and a replica whose link fell holds up every
-  step's reduce of its stage.
+- The replicas' reduce (gradient sums among a stage's replicas, once a step) is not link
+  load per sample: it runs at the step's barrier, and every stage waits for it, so it is
+  one of a step's fixed costs (below). Counted on the replicas' own links (as before), a
+  replica whose link fell to a tenth was worth nothing to the model (0.001 samples/s) while
+  the whole swarm waited 7 s a step for its reduce (bench rebalance: measured 4.4 samples/s
+  beside a bound of 8.1).
 - A node's outbound bandwidth: what its links carry together at the split of traffic they
   see. Each link has its own meter and carries its own share of the node's bytes (a
   sender spreads microbatches over the next stage's replicas), so the node's links hold it
@@ -36,26 +37,38 @@ What each figure comes from (protos/control.proto, `Telemetry`):
   unbounded, so a new node's links are not taken for the bottleneck before anything moved.
   The bytes are the counters' totals, links to peers that since moved included: a link
   that carried a share of the node's bytes once is taken to carry that share again.
-  The reduce is a per-step cost: it runs at the step's barrier, once the pipeline's links
-  are idle, so its seconds per sample add to theirs instead of overlapping (samples per
-  step over (the step's link time + the barrier's)); bench rebalance on 0.3 Mbit/s links
-  measured the reduce at several per cent of a step.
+- A step's fixed costs (`step_costs`): the design trains in synchronous steps, so each step
+  starts with an empty pipeline and ends with a drained one, then waits at the barrier.
+  From the coordinator's own clock over the last STEP_COST_STEPS steps: the seconds from a
+  step's opening to its first commit (the pipeline filling: a microbatch's trip there and
+  back) and from its last commit to the next step's opening (APPLY, the replicas' reduce,
+  the optimizer step, StepDone, the opening). The median of each, so one step disturbed
+  by a move does not set them. The bound the policy judges moves by and the one Status
+  shows are whole steps' rates with these counted (`placement.StepCosts`). They are taken
+  as they are under the current plan: a plan that changes which replicas reduce together
+  changes the barrier, and the model does not predict that.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from swarmpipe.coordinator import placement
+from swarmpipe.coordinator.step_protocol import StepStats
 from swarmpipe.protos import control_pb2
 
+# A step's fixed costs are the median over this many recent steps: enough that one step
+# disturbed by a move does not set them, few enough to follow a change of plan within a
+# minute of steps of seconds.
+STEP_COST_STEPS = 3
 # Bytes per sample are counted once a node has processed this many samples: the first
 # microbatches carry link set-up and codec probing and overstate the steady figure.
 MIN_SAMPLES_FOR_BYTES = 8
-_LINK_DIRECTIONS = ("activation", "gradient", "reduce")
+_LINK_DIRECTIONS = ("activation", "gradient")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +87,22 @@ def measured_rate(t: control_pb2.Telemetry | None) -> float:
     if t.compute_samples_per_second > 0:
         return t.compute_samples_per_second
     return max(t.calibrated_samples_per_second, 0.0)
+
+
+def since(t: control_pb2.Telemetry, base: control_pb2.Telemetry) -> control_pb2.Telemetry:
+    """`t` with its counters (samples, each link's wire bytes) less those of `base`, an
+    earlier report of the same node: what it did since, e.g. on the stage it moved to. The
+    counters are the process's totals; a node whose counters went back restarted, and its
+    report stands as it is."""
+    if t.samples < base.samples:
+        return t
+    before = {(e.peer, e.direction): e.wire_bytes for e in base.link_estimates}
+    out = control_pb2.Telemetry()
+    out.CopyFrom(t)
+    out.samples = t.samples - base.samples
+    for e in out.link_estimates:
+        e.wire_bytes = max(0, e.wire_bytes - before.get((e.peer, e.direction), 0))
+    return out
 
 
 def stage_costs(fleet: Iterable[Observed], num_stages: int) -> list[float]:
@@ -117,37 +146,27 @@ def stage_specs(fleet: Sequence[Observed], num_stages: int) -> tuple[placement.S
     activation = [median((s, "activation")) for s in range(num_stages - 1)]
     gradient = [median((s + 1, "gradient")) for s in range(num_stages - 1)]
     states = [statistics.median(state[s]) if s in state else 0.0 for s in range(num_stages)]
-    specs = placement.stages_from_cuts(costs, activation, gradient, states)
-    return tuple(
-        replace(
-            spec,
-            bytes_in_per_sample=spec.bytes_in_per_sample + median((s, "reduce")),
-            bytes_out_per_sample=spec.bytes_out_per_sample + median((s, "reduce")),
-        )
-        for s, spec in enumerate(specs)
-    )
+    return placement.stages_from_cuts(costs, activation, gradient, states)
 
 
 def node_caps(
     fleet: Sequence[Observed], stages: Sequence[placement.StageSpec]
 ) -> dict[str, placement.NodeCaps]:
     """Each node's capabilities for the policy (see the module's docstring)."""
-    # (node, peer) -> [wire bytes, bandwidth] of the link from node to peer, all directions.
-    # (node, peer, a reduce?) -> [wire bytes, bandwidth] of the link from node to peer.
-    links: dict[tuple[str, str, bool], list[float]] = {}
+    # (node, peer) -> [wire bytes, bandwidth] of the link from node to peer, both directions.
+    links: dict[tuple[str, str], list[float]] = {}
     for o in fleet:
         if o.telemetry is None:
             continue
         for e in o.telemetry.link_estimates:
             if e.direction in _LINK_DIRECTIONS and e.bytes_per_second > 0:
                 # The meter is per link, shared by its directions; the bytes add up.
-                key = (o.node_id, e.peer, e.direction == "reduce")
-                link = links.setdefault(key, [0.0, e.bytes_per_second])
+                link = links.setdefault((o.node_id, e.peer), [0.0, e.bytes_per_second])
                 link[0] += e.wire_bytes
-    out_links: dict[str, list[tuple[float, float, bool]]] = {}
+    out_links: dict[str, list[tuple[float, float]]] = {}
     meters: dict[tuple[str, str], float] = {}
-    for (sender, receiver, reduce), (wire, bandwidth) in links.items():
-        out_links.setdefault(sender, []).append((wire, bandwidth, reduce))
+    for (sender, receiver), (wire, bandwidth) in links.items():
+        out_links.setdefault(sender, []).append((wire, bandwidth))
         meters[(sender, receiver)] = bandwidth
     in_bw: dict[str, float] = {}
     for (_, receiver), bandwidth in meters.items():
@@ -179,22 +198,18 @@ def node_caps(
     return caps
 
 
-def links_carry(links: Sequence[tuple[float, float, bool]]) -> float:
-    """Bytes/s a node's links carry together, given each link's (wire bytes, bandwidth, a
-    reduce link?). The pipeline's links work at once, so at the split of bytes they saw
-    the busiest (most seconds per byte) sets the pace; the reduce runs at the step's
-    barrier, after them, so its seconds add: bytes / (max over pipeline links of
-    bytes / bandwidth + max over reduce links of the same). Links that carried nothing yet
-    count at their bandwidth alone (the mean of those, if none carried any); none:
-    unbounded."""
+def links_carry(links: Sequence[tuple[float, float]]) -> float:
+    """Bytes/s a node's pipeline links carry together, given each link's (wire bytes,
+    bandwidth). They work at once, so at the split of bytes they saw the busiest (most
+    seconds per byte) sets the pace: bytes / max over links of bytes / bandwidth. Links
+    that carried nothing yet count at their bandwidth alone (the mean of those, if none
+    carried any); none: unbounded."""
     if not links:
         return math.inf
-    total = sum(wire for wire, _, _ in links)
+    total = sum(wire for wire, _ in links)
     if total <= 0:
-        return sum(bw for _, bw, _ in links) / len(links)
-    pipeline = max((wire / bw for wire, bw, reduce in links if not reduce), default=0.0)
-    barrier = max((wire / bw for wire, bw, reduce in links if reduce), default=0.0)
-    return total / (pipeline + barrier)
+        return sum(bw for _, bw in links) / len(links)
+    return total / max(wire / bw for wire, bw in links)
 
 
 def limited_by(caps: placement.NodeCaps, stage: placement.StageSpec, rate_on_stage: float) -> str:
@@ -206,3 +221,32 @@ def limited_by(caps: placement.NodeCaps, stage: placement.StageSpec, rate_on_sta
     if stage.bytes_out_per_sample > 0:
         links = min(links, caps.bandwidth_out / stage.bytes_out_per_sample)
     return "bandwidth" if links < rate_on_stage else "compute"
+
+
+def step_costs(history: Sequence[StepStats], *, microbatch: int) -> placement.StepCosts | None:
+    """A step's fixed costs as measured (see the module's docstring); None until a step
+    past the first (start-up) has finished and the next one opened. `history`: the step
+    protocol's steps, oldest first."""
+    fills, barriers, samples = [], [], []
+    for stats, following in itertools.pairwise(history):
+        if (
+            stats.step == 0  # start-up: building, connecting, the first codec probes
+            or stats.eval_leases  # evaluation leases go first and would count as fill
+            or stats.first_commit_at is None
+            or stats.finished_at is None
+            or stats.samples <= 0
+        ):
+            continue
+        fills.append(stats.first_commit_at - stats.started_at)
+        barriers.append(max(0.0, following.started_at - stats.finished_at))
+        samples.append(stats.samples)
+    if not fills:
+        return None
+    recent = slice(-STEP_COST_STEPS, None)
+    per_step = statistics.median(samples[recent])
+    return placement.StepCosts(
+        samples=per_step,
+        first_samples=min(float(microbatch), per_step),
+        fill_s=max(0.0, statistics.median(fills[recent])),
+        barrier_s=statistics.median(barriers[recent]),
+    )

@@ -53,7 +53,9 @@ nothing while it streams the state. A batch leaves every stage one of the replic
 of moves must not take a stage's last present replica while others are on their way).
 Hysteresis is the gain threshold plus a per-node cool-down after a join or move (for
 throughput moves): ±3 % noise on every rate can fake at most a 1.03/0.97 - 1 = 6.2 % gain,
-under 10 %.
+under 10 %. No throughput move is planned while a node
+that moved is still an estimate on its new stage (`unconfirmed`: the caller says which), and
+with a step's fixed costs given (`StepCosts`) gains are judged on whole steps' rates.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -116,6 +118,46 @@ class NodeCaps:
     def __post_init__(self) -> None:
         if min(self.speed, self.bandwidth_in, self.bandwidth_out) < 0:
             raise ValueError(f"node {self.node_id}: speed and bandwidths must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCosts:
+    """What a synchronous step costs besides streaming its samples through the bottleneck,
+    as measured (coordinator/fleet_model.py, `step_costs`).
+
+    A step of `samples` whose first microbatch (`first_samples`) comes back `fill_s` after
+    the step opens, and whose later samples follow at the pipeline's rate T, takes
+    fill_s + (samples - first_samples) / T + barrier_s: the pipeline starts empty and ends
+    drained (a microbatch's trip there and back), then waits at the barrier. So the rate a
+    step gives is samples over that, less than T by the fixed part."""
+
+    samples: float
+    """Training samples a step (the global batch)."""
+    first_samples: float
+    """Samples the first commit of a step brings (a microbatch)."""
+    fill_s: float
+    """Seconds from a step's opening to its first commit: the pipeline filling."""
+    barrier_s: float
+    """Seconds from a step's last commit until the next opens: APPLY, the replicas' reduce,
+    the optimizer step, StepDone, the opening."""
+
+    def __post_init__(self) -> None:
+        if not self.samples > 0 or not 0 <= self.first_samples <= self.samples:
+            raise ValueError("a step needs samples > 0 and 0 <= first_samples <= samples")
+        if min(self.fill_s, self.barrier_s) < 0:
+            raise ValueError("fill_s and barrier_s must be >= 0")
+
+    def rate(self, stream: float) -> float:
+        """Samples/s of whole steps when the pipeline streams `stream` samples/s."""
+        if stream <= 0:
+            return 0.0
+        seconds = self.fill_s + self.barrier_s + (self.samples - self.first_samples) / stream
+        return self.samples / seconds if seconds > 0 else stream
+
+
+def step_rate(stream: float, costs: StepCosts | None) -> float:
+    """The throughput bound with a step's fixed costs counted (`stream` without them)."""
+    return stream if costs is None else costs.rate(stream)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -700,11 +742,17 @@ def rebalance(
     *,
     now: float,
     last_moved: Mapping[str, float],
+    unconfirmed: Collection[str] = frozenset(),
+    step_costs: StepCosts | None = None,
 ) -> list[Move]:
     """The moves to make now: refill empty stages, second replicas, then throughput.
 
     `assignment` holds every node that holds a stage, serving or still downloading;
-    `last_moved` the time each node joined or last moved (absent: long ago)."""
+    `last_moved` the time each node joined or last moved (absent: long ago). `unconfirmed`:
+    nodes whose figures on their stage are still estimates (they moved and have not been
+    measured there): every plan's bound leans on them, so no throughput move is planned
+    while there is one. `step_costs`: a step's fixed costs, counted in every bound the
+    gains are judged on (`step_rate`)."""
     rates = rate_table((nodes[k] for k in assignment), stages)
     layout = _DepartureLayout(rates, assignment, len(stages))
     n_stages = len(stages)
@@ -745,10 +793,14 @@ def rebalance(
         )
         record(step, "second-replica")
 
-    before = layout.bound()
+    if any(node_id in unconfirmed for node_id in assignment):
+        return moves
+    before = step_rate(layout.bound(), step_costs)
 
     def worth_it(lay: _Layout, step: Step) -> bool:
-        return layout.keeps_a_replica(step) and _pays_off(lay, step, nodes, stages, policy)
+        return layout.keeps_a_replica(step) and _pays_off(
+            lay, step, nodes, stages, policy, step_costs=step_costs
+        )
 
     steps = _improve(
         layout,
@@ -758,7 +810,7 @@ def rebalance(
         swaps=len(assignment) <= policy.max_swap_fleet,
         once=True,
     )
-    after = layout.bound()
+    after = step_rate(layout.bound(), step_costs)
     if steps and (after >= (1 + policy.min_gain) * before if before > 0 else after > 0):
         record(steps, "throughput")
     return moves
@@ -867,13 +919,16 @@ def _pays_off(
     nodes: Mapping[str, NodeCaps],
     stages: Sequence[StageSpec],
     policy: PlacementPolicy,
+    *,
+    step_costs: StepCosts | None,
 ) -> bool:
     """Whether a step gains more samples over the horizon than its downloads lose.
 
     While the movers download they serve nowhere, and each destination has one replica
     (charged at the stage's mean replica rate) streaming the state instead of serving: a
-    pessimistic figure, since the stream only shares that replica's uplink."""
-    before = layout.bound()
+    pessimistic figure, since the stream only shares that replica's uplink. Rates are
+    whole steps' (`step_rate`)."""
+    before = step_rate(layout.bound(), step_costs)
     after_changes: dict[int, float] = {}
     during_changes: dict[int, float] = {}
     seconds = 0.0
@@ -888,6 +943,6 @@ def _pays_off(
         seconds = max(seconds, download_seconds(nodes[node_id], stages[dst], policy))
     if seconds >= policy.horizon_s:
         return False
-    gain = layout.bound_with(after_changes) - before
-    loss = before - max(0.0, layout.bound_with(during_changes))
+    gain = step_rate(layout.bound_with(after_changes), step_costs) - before
+    loss = before - step_rate(max(0.0, layout.bound_with(during_changes)), step_costs)
     return gain * (policy.horizon_s - seconds) > loss * seconds

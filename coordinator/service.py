@@ -29,9 +29,10 @@ import grpc
 from swarmpipe.config import RunConfig, codec_enum, codec_name
 from swarmpipe.control.bus import BrokerAddress, BrokerAuthError, Topics, make_client
 from swarmpipe.control.mqtt_acl import RESERVED_USERS
+from swarmpipe.coordinator import fleet_model
 from swarmpipe.coordinator.admission import Admission
 from swarmpipe.coordinator.membership import Member, Membership, MoveOrder, ThroughputView
-from swarmpipe.coordinator.placement import PlacementPolicy
+from swarmpipe.coordinator.placement import PlacementPolicy, StepCosts
 from swarmpipe.coordinator.state_db import Extras, MoveRow, StateDB
 from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.coordinator.suspects import DATA, REDUCE, Suspects
@@ -278,11 +279,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         p = self.protocol
         return bool(p.history) and p.phase not in (Phase.SAVING, Phase.DONE)
 
+    def _step_costs(self) -> StepCosts | None:
+        """A step's fixed costs as measured over the last steps (fleet_model.step_costs)."""
+        return fleet_model.step_costs(
+            self.protocol.history, microbatch=self.config.train.microbatch
+        )
+
     async def rebalance(self, why: str) -> int:
         """One rebalancing round now; how many moves it ordered."""
         if not self._may_move():
             return 0
-        orders = self.membership.rebalance(time.monotonic())
+        orders = self.membership.rebalance(time.monotonic(), self._step_costs())
         if orders:
             logger.info("rebalancing (%s): %d move(s)", why, len(orders))
         for order in orders:
@@ -1028,13 +1035,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 )
             )
         if self._throughput is None or now - self._throughput[0] > THROUGHPUT_VIEW_S:
-            self._throughput = (now, self.membership.throughput())
+            self._throughput = (now, self.membership.throughput(self._step_costs()))
         view = self._throughput[1]
         reply.placement.CopyFrom(
             coordinator_pb2.PlacementRecord(
                 bound=view.bound,
                 best_bound=view.best_bound,
                 stage_rates=view.stage_rates,
+                stream_bound=view.stream_bound,
+                best_stream_bound=view.best_stream_bound,
+                step_fill_s=view.costs.fill_s if view.costs else 0.0,
+                step_barrier_s=view.costs.barrier_s if view.costs else 0.0,
+                step_samples=view.costs.samples if view.costs else 0.0,
+                unconfirmed=sorted(self.membership.unconfirmed()),
                 nodes=[
                     coordinator_pb2.NodeRate(
                         node_id=n.node_id,

@@ -72,6 +72,8 @@ class StepStats:
     loss_sum: float = 0.0
     tokens: int = 0
     finished_at: float | None = None
+    first_commit_at: float | None = None
+    """When its first training microbatch was committed: the pipeline had filled."""
     eval_loss_sum: float = 0.0
     eval_tokens: int = 0
     eval_leases: int = 0
@@ -239,6 +241,8 @@ class StepProtocol:
                 stats.eval_finished_at = self.clock()
         else:
             self.counters.committed += lease.sample_count
+            if stats.first_commit_at is None:
+                stats.first_commit_at = self.clock()
             stats.samples += lease.sample_count
             stats.loss_sum += loss_sum
             stats.tokens += tokens

@@ -203,6 +203,7 @@ class Head:
         microbatch_id = f"{lease.step}:{lease.sample_start}:{lease.sample_count}"
         header = self._header(lease, microbatch_id, tokens, labels)
         key = uuid.uuid4().hex
+        leased_at = time.monotonic()
         started = time.perf_counter()
         with d.status.track_microbatch():
             try:
@@ -217,7 +218,7 @@ class Head:
                     output, forward_s = await d.compute.run_timed(
                         FORWARD, lambda: runtime.forward(key, microbatch_id, tokens)
                     )
-                    hop = await self._send_with_retries(header, output)
+                    hop = await self._send_with_retries(header, output, leased_at=leased_at)
                     if hop is None:
                         await self._release(lease, "every attempt to send it downstream failed")
                         return False
@@ -267,6 +268,7 @@ class Head:
             return
         tokens, labels = self.corpus.heldout_range(lease.sample_start, lease.sample_count)
         microbatch_id = f"eval:{lease.step}:{lease.sample_start}:{lease.sample_count}"
+        leased_at = time.monotonic()
         with d.status.track_microbatch():
             if runtime.is_last:
                 last = await d.compute.run(FORWARD, lambda: runtime.evaluate_last(tokens, labels))
@@ -274,7 +276,7 @@ class Head:
             else:
                 output = await d.compute.run(FORWARD, lambda: runtime.forward_eval(tokens))
                 header = self._header(lease, microbatch_id, tokens, labels)
-                hop = await self._send_with_retries(header, output)
+                hop = await self._send_with_retries(header, output, leased_at=leased_at)
                 if hop is None:
                     await self._release(lease, "every attempt to send it downstream failed")
                     return
@@ -282,8 +284,14 @@ class Head:
         await self._commit(lease, loss_sum, n_tokens)
 
     async def _send_with_retries(
-        self, header: stage_pb2.MicrobatchHeader, output: torch.Tensor
+        self, header: stage_pb2.MicrobatchHeader, output: torch.Tensor, *, leased_at: float
     ) -> HopResult | None:
+        """The first hop with its reroutes, within the lease's life: once
+        `coordinator.lease_timeout_s` has passed since `leased_at`, the coordinator has
+        leased the samples again and a late commit would only be refused as a duplicate.
+        Without that bound, HOP_ATTEMPTS tries of up to `pipeline.hop_timeout_s` each (the
+        deadline of a peer with no measured round trip, such as one that just moved in)
+        could hold a worker of the window for many minutes."""
         d = self.ctx
         try:
             return await d.router.send_rerouting(
@@ -292,6 +300,7 @@ class Head:
                 output,
                 codec=d.activation_codec,
                 attempts=HOP_ATTEMPTS,
+                deadline=leased_at + d.config.coordinator.lease_timeout_s,
                 backoff_s=BACKOFF_START_S,
                 backoff_max_s=BACKOFF_MAX_S,
                 give_up=self.stopping.is_set,

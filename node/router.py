@@ -267,6 +267,20 @@ class Router:
                 raise
             self.health.failed(peer)
             raise HopError(f"stage {stage} at {peer} sent a bad reply: {exc}", peer=peer) from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the sender itself is being cancelled: not the hop's failure
+            # The call was cancelled under us: `set_plan` closed its channel because the
+            # peer left the plan (it moved or went away). grpc.aio says so with
+            # CancelledError, which ended the caller as if it had been cancelled: in bench
+            # rebalance every worker of a head died that way, silently, at the first moves.
+            raise HopError(
+                f"stage {stage} at {peer} ({replica.address}): the call was cancelled after "
+                f"{time.monotonic() - started:.2f} s (the peer left the plan)",
+                peer=peer,
+                peer_at_fault=False,
+            ) from None
         finally:
             self._in_flight[peer] -= 1
 

@@ -267,6 +267,12 @@ class StageRuntime:
                 total.add_(p.grad)
                 p.grad = None
 
+    def gradient_sum(self) -> list[torch.Tensor]:
+        """The step's gradient sum so far, one float32 tensor per parameter (zeros if none)."""
+        if self._summed is None:
+            return [torch.zeros_like(p, dtype=torch.float32) for p in self.module.parameters()]
+        return [total.float() for total in self._summed]
+
     def _clear_sum(self) -> None:
         if self._summed is not None:
             for total in self._summed:
@@ -281,9 +287,7 @@ class StageRuntime:
 
     def local_gradient(self) -> tuple[torch.Tensor, int, int]:
         """This replica's gradient sum as one flat fp32 vector, with its token and sample counts."""
-        params = list(self.module.parameters())
-        summed = self._summed or [torch.zeros_like(p) for p in params]
-        flat = torch.cat([total.reshape(-1).float() for total in summed])
+        flat = torch.cat([g.reshape(-1) for g in self.gradient_sum()])
         return flat, self.tokens_accumulated, self.samples_accumulated
 
     @property

@@ -897,16 +897,38 @@ class PlacementRecord(_message.Message):
     BEST_BOUND_FIELD_NUMBER: _builtins.int
     STAGE_RATES_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    STREAM_BOUND_FIELD_NUMBER: _builtins.int
+    BEST_STREAM_BOUND_FIELD_NUMBER: _builtins.int
+    STEP_FILL_S_FIELD_NUMBER: _builtins.int
+    STEP_BARRIER_S_FIELD_NUMBER: _builtins.int
+    STEP_SAMPLES_FIELD_NUMBER: _builtins.int
+    UNCONFIRMED_FIELD_NUMBER: _builtins.int
     bound: _builtins.float
-    """samples/s the pipeline can train at most: its slowest stage"""
+    """Samples/s the run can train at most in whole steps: the slowest stage's rate with a
+    step's fixed costs (the fill and drain of the pipeline, the barrier) counted.
+    """
     best_bound: _builtins.float
     """the same model's best plan for these nodes (0: over 256)"""
+    stream_bound: _builtins.float
+    """the slowest stage's rate alone (no step costs)"""
+    best_stream_bound: _builtins.float
+    """the same for the best plan"""
+    step_fill_s: _builtins.float
+    """a step's opening to its first commit (median, recent steps)"""
+    step_barrier_s: _builtins.float
+    """its last commit to the next opening (reduce included)"""
+    step_samples: _builtins.float
+    """samples a step (0: no step costs measured yet)"""
     @_builtins.property
     def stage_rates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """each stage's rate: its replicas' effective rates summed"""
 
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeRate]: ...
+    @_builtins.property
+    def unconfirmed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """movers not yet measured on their new stage"""
+
     def __init__(
         self,
         *,
@@ -914,10 +936,16 @@ class PlacementRecord(_message.Message):
         best_bound: _builtins.float = ...,
         stage_rates: _abc.Iterable[_builtins.float] | None = ...,
         nodes: _abc.Iterable[Global___NodeRate] | None = ...,
+        stream_bound: _builtins.float = ...,
+        best_stream_bound: _builtins.float = ...,
+        step_fill_s: _builtins.float = ...,
+        step_barrier_s: _builtins.float = ...,
+        step_samples: _builtins.float = ...,
+        unconfirmed: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_bound", b"best_bound", "bound", b"bound", "nodes", b"nodes", "stage_rates", b"stage_rates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["best_bound", b"best_bound", "best_stream_bound", b"best_stream_bound", "bound", b"bound", "nodes", b"nodes", "stage_rates", b"stage_rates", "step_barrier_s", b"step_barrier_s", "step_fill_s", b"step_fill_s", "step_samples", b"step_samples", "stream_bound", b"stream_bound", "unconfirmed", b"unconfirmed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from swarmpipe.coordinator import fleet_model, placement
+from swarmpipe.coordinator import fleet_model, membership, placement
 from swarmpipe.coordinator.membership import Membership
 from swarmpipe.coordinator.placement import PlacementPolicy
+from swarmpipe.coordinator.step_protocol import StepStats
 from swarmpipe.protos import control_pb2
 
 # Bytes per sample across every cut, each way, and the state of a stage.
@@ -43,9 +44,11 @@ def report(
     noise: float = 0.0,
     rng: random.Random | None = None,
 ) -> None:
-    """Give every live node telemetry as a node would send it: its compute rate, and what it
-    sent to each replica of its neighbouring stages, over links that share its uplink while
-    they are busy together (each meter sees the uplink times its share of the bytes)."""
+    """Give every live node telemetry as a node would send it after one more step: its
+    compute rate, and what it sent to each replica of its neighbouring stages, over links
+    that share its uplink while they are busy together (each meter sees the uplink times
+    its share of the bytes). Counters are totals since the node started, as a node's are,
+    and each call adds a step's times."""
 
     def jitter(x: float) -> float:
         return x * (1 + rng.uniform(-noise, noise)) if rng is not None else x
@@ -67,14 +70,22 @@ def report(
         total = sum(e.wire_bytes for e in estimates)
         for e in estimates:
             e.bytes_per_second = jitter(uplinks[member.node_id] * e.wire_bytes / total)
+        last = member.telemetry or control_pb2.Telemetry()
+        sent = {(e.peer, e.direction): e.wire_bytes for e in last.link_estimates}
+        for e in estimates:
+            e.wire_bytes += sent.pop((e.peer, e.direction), 0)
+        # Links to peers it no longer sends to keep their totals (and their meters).
+        estimates += [e for e in last.link_estimates if (e.peer, e.direction) in sent]
+        step = max((t.step for t in last.step_times), default=-1) + 1
         member.telemetry = control_pb2.Telemetry(
             node_id=member.node_id,
             stage=s,
-            samples=SAMPLES,
+            samples=last.samples + SAMPLES,
             compute_samples_per_second=jitter(rates[member.node_id]),
             link_estimates=estimates,
             stage_flops_per_sample=1e6,
             stage_state_bytes=STATE_BYTES,
+            step_times=[*last.step_times[-3:], control_pb2.StepTimes(step=step, complete=True)],
         )
 
 
@@ -272,7 +283,9 @@ def test_a_lost_last_replica_is_refilled_from_a_stage_that_keeps_one() -> None:
     assert m.heal() is None
 
 
-def test_the_replicas_reduce_counts_as_link_load_both_ways() -> None:
+def test_the_replicas_reduce_is_a_steps_cost_not_link_load_per_sample() -> None:
+    """Every stage waits at the barrier for the reduce: counted on the replicas' links, a
+    replica whose link fell looked worthless while the whole swarm waited for it."""
     m = make(3)
     for name, stage in (("a", 0), ("b", 1), ("c", 1), ("d", 2)):
         serve(m, name, stage)
@@ -285,10 +298,13 @@ def test_the_replicas_reduce_counts_as_link_load_both_ways() -> None:
                 peer=peer, direction="reduce", bytes_per_second=1e6, wire_bytes=SAMPLES * 500
             )
         )
-    specs, _ = m.fleet(m.live())
-    assert specs[1].bytes_out_per_sample == 2 * CUT_BYTES + 500
-    assert specs[1].bytes_in_per_sample == 2 * CUT_BYTES + 500
-    assert specs[0].bytes_out_per_sample == CUT_BYTES
+    t = m.members["b"].telemetry
+    assert t is not None
+    t.link_estimates[-1].bytes_per_second = 1.0  # b's reduce link fell
+    specs, caps = m.fleet(m.live())
+    assert specs[1].bytes_out_per_sample == 2 * CUT_BYTES
+    assert specs[1].bytes_in_per_sample == 2 * CUT_BYTES
+    assert caps["b"].bandwidth_out == caps["c"].bandwidth_out
 
 
 def test_the_throughput_view_shows_the_bound_the_best_plan_and_what_limits_each_node() -> None:
@@ -363,21 +379,14 @@ def test_a_rebalance_leaves_every_stage_one_of_the_replicas_it_had() -> None:
 
 def test_links_limited_each_on_their_own_carry_their_sum_at_the_split_they_see() -> None:
     # Two peers at 1e5 B/s each (the testnet's per-peer send limit), an even split: 2e5.
-    assert fleet_model.links_carry([(500.0, 1e5, False), (500.0, 1e5, False)]) == 2e5
+    assert fleet_model.links_carry([(500.0, 1e5), (500.0, 1e5)]) == 2e5
     # A 3:1 split: the link with 3/4 of the bytes fills first, at 1e5 / 0.75 for the node.
-    three_to_one = [(750.0, 1e5, False), (250.0, 1e5, False)]
+    three_to_one = [(750.0, 1e5), (250.0, 1e5)]
     assert fleet_model.links_carry(three_to_one) == pytest.approx(1e5 / 0.75)
     # One uplink shared while busy: each meter sees its share, the node its uplink.
-    shared = [(750.0, 7.5e4, False), (250.0, 2.5e4, False)]
+    shared = [(750.0, 7.5e4), (250.0, 2.5e4)]
     assert fleet_model.links_carry(shared) == pytest.approx(1e5)
     assert fleet_model.links_carry([]) == math.inf
-
-
-def test_the_reduce_at_the_barrier_adds_its_seconds_to_the_pipelines() -> None:
-    # 900 bytes over the pipeline's link take 9 ms, 100 over the reduce's 1 ms after them:
-    # 1000 bytes in 10 ms, though both links could carry theirs at once.
-    links = [(900.0, 1e5, False), (100.0, 1e5, True)]
-    assert fleet_model.links_carry(links) == pytest.approx(1e5)
 
 
 def test_a_sender_whose_link_fell_does_not_make_its_receivers_look_slow() -> None:
@@ -390,3 +399,95 @@ def test_a_sender_whose_link_fell_does_not_make_its_receivers_look_slow() -> Non
     assert caps["x"].bandwidth_out == pytest.approx(1e4)
     # a hears from c (1e6 x its half of c's bytes) and from x (1e4 x half): the sum.
     assert caps["a"].bandwidth_in == pytest.approx(0.5e6 + 0.5e4)
+
+
+def test_a_mover_is_unconfirmed_until_it_served_two_whole_steps_on_its_new_stage() -> None:
+    """A mover's figures on its new stage are estimates until it has served two whole steps
+    there (the first may be partial; placement.rebalance plans no throughput move on them,
+    test_placement), and once it is measured its counters start from the move."""
+    m = make(3)
+    layout = {"a": 0, "b": 0, "g": 0, "c": 1, "x": 1, "e": 2, "f": 2}
+    for name, stage in layout.items():
+        serve(m, name, stage)
+    rates = dict.fromkeys(layout, 10.0)
+    uplinks = dict.fromkeys(layout, 1e6)
+    uplinks["x"] = 1e4
+    report(m, rates, uplinks)
+    now = time.monotonic()
+    orders = m.rebalance(now + 100.0)
+    assert orders
+    movers = {o.node_id for o in orders}
+    arrive(m)
+    assert m.unconfirmed() == movers
+    # One whole step on the new stage: the first may have been partial, not yet.
+    report(m, rates, uplinks)
+    assert m.unconfirmed() == movers
+    report(m, rates, uplinks)
+    assert m.unconfirmed() == set()
+    mover = m.members[next(iter(movers))]
+    assert mover.telemetry is not None and mover.moved_from is not None
+    observed = fleet_model.since(mover.telemetry, mover.moved_from)
+    assert observed.samples == 2 * SAMPLES  # two steps on its new stage, not its old ones
+
+
+def test_a_mover_that_reports_nothing_counts_as_measured_once_the_swarm_moved_on() -> None:
+    m = make(3)
+    layout = {"a": 0, "b": 0, "g": 0, "c": 1, "x": 1, "e": 2, "f": 2}
+    for name, stage in layout.items():
+        serve(m, name, stage)
+    rates = dict.fromkeys(layout, 10.0)
+    uplinks = dict.fromkeys(layout, 1e6)
+    uplinks["x"] = 1e4
+    report(m, rates, uplinks)
+    orders = m.rebalance(time.monotonic() + 100.0)
+    assert orders
+    arrive(m)
+    quiet = {o.node_id: m.members[o.node_id].telemetry for o in orders}
+    for _ in range(membership.CONFIRM_WITHIN_STEPS):
+        assert m.unconfirmed()
+        report(m, rates, uplinks)
+        for node_id, telemetry in quiet.items():  # its telemetry is lost
+            m.members[node_id].telemetry = telemetry
+    assert m.unconfirmed() == set()
+
+
+def test_a_steps_fixed_costs_come_from_the_coordinators_clock() -> None:
+    history = []
+    for step in range(5):
+        start = 100.0 * step
+        history.append(
+            StepStats(
+                step=step,
+                started_at=start,
+                samples=64,
+                first_commit_at=start + (50.0 if step == 0 else 3.0 + step % 2),
+                finished_at=start + 90.0,
+            )
+        )
+    late = history[3]  # step 2's barrier took 15 s
+    late.started_at += 5.0
+    late.first_commit_at = late.started_at + 4.0
+    late.finished_at = late.started_at + 90.0
+    costs = fleet_model.step_costs(history, microbatch=4)
+    assert costs is not None
+    # Steps 1-3 (step 0 is start-up; step 4 has no next opening yet): fills 4, 3, 4 s
+    # (from the step's opening), barriers 10, 15, 5 s.
+    assert (costs.fill_s, costs.barrier_s) == (4.0, 10.0)
+    assert (costs.samples, costs.first_samples) == (64, 4)
+    assert fleet_model.step_costs(history[:2], microbatch=4) is None
+    # The bound of whole steps: 64 samples at 16/s streaming take 14 + 60 / 16 s.
+    assert costs.rate(16.0) == pytest.approx(64 / (4.0 + 10.0 + 60 / 16))
+
+
+def test_since_counts_what_a_node_did_after_an_earlier_report() -> None:
+    def telemetry(samples: int, sent: int) -> control_pb2.Telemetry:
+        link = control_pb2.LinkEstimate(
+            peer="p", direction="activation", wire_bytes=sent, bytes_per_second=1e3
+        )
+        return control_pb2.Telemetry(samples=samples, link_estimates=[link])
+
+    later = fleet_model.since(telemetry(300, 9000), telemetry(100, 5000))
+    assert later.samples == 200 and later.link_estimates[0].wire_bytes == 4000
+    assert later.link_estimates[0].bytes_per_second == 1e3  # the meter is the link's
+    # Counters that went back: the node restarted, and its report stands.
+    assert fleet_model.since(telemetry(50, 10), telemetry(100, 5000)).samples == 50

@@ -13,6 +13,7 @@ from swarmpipe.coordinator.placement import (
     NodeCaps,
     PlacementPolicy,
     StageSpec,
+    StepCosts,
     effective_rate,
     place_joiner,
     plan,
@@ -258,6 +259,56 @@ def test_a_move_is_made_only_when_its_gain_beats_its_download() -> None:
     # sender loses meanwhile (one of stage 1's two replicas for 2000 s).
     nodes, stages, assignment = _lopsided(bandwidth=0.5 * MB)
     assert rebalance(assignment, nodes, stages, policy, now=0.0, last_moved={}) == []
+
+
+def test_no_throughput_move_is_planned_on_a_movers_unconfirmed_figures() -> None:
+    """A node that moved is an estimate where it went until it is measured there: while
+    one is, every plan's bound leans on it, so nothing moves for throughput."""
+    policy = PlacementPolicy()
+    nodes, stages, assignment = _lopsided(bandwidth=10 * MB)
+    assert rebalance(assignment, nodes, stages, policy, now=0.0, last_moved={})
+    waiting = rebalance(
+        assignment, nodes, stages, policy, now=0.0, last_moved={}, unconfirmed={"g"}
+    )
+    assert waiting == []
+    # An empty stage is refilled all the same (it trains nothing meanwhile), and given a
+    # second replica: safety does not wait on measurements.
+    emptied = {k: (0 if k in "gh" else v) for k, v in assignment.items()}
+    refilled = rebalance(emptied, nodes, stages, policy, now=0.0, last_moved={}, unconfirmed={"g"})
+    assert [m.reason for m in refilled] == ["empty-stage", "second-replica"]
+
+
+def test_a_steps_fixed_costs_shrink_a_gain_below_the_threshold() -> None:
+    """Gains are judged on whole steps' rates: a 15 % faster bottleneck gains less than
+    15 % of a step whose fill and barrier do not shrink with it."""
+    stages = (StageSpec(state_bytes=1 * MB),) * 2
+    speeds = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.6, "f": 1.0, "g": 1.0}
+    nodes = {
+        k: NodeCaps(node_id=k, speed=v, bandwidth_in=10 * MB, bandwidth_out=10 * MB)
+        for k, v in speeds.items()
+    }
+    # Stage 0: 3.6/s, stage 1: 2.0/s; moving d makes them 3.0 and 2.6 (a: 2.6 and 3.0):
+    # +30 % streaming.
+    assignment = {k: (0 if k in "abcd" else 1) for k in nodes}
+    policy = PlacementPolicy(horizon_s=600.0, move_overhead_s=1.0)
+    moves = rebalance(assignment, nodes, stages, policy, now=0.0, last_moved={})
+    done = dict(assignment) | {m.node_id: m.to_stage for m in moves}
+    assert throughput_bound(done, nodes, stages) == pytest.approx(2.6)
+    # A step of 64 samples that spends 60 s filling and at the barrier: 64 / (60 + 32) =
+    # 0.70/s now, 64 / (60 + 24.6) = 0.76/s after, +9 %: under the 10 % a batch must give.
+    costs = StepCosts(samples=64, first_samples=0, fill_s=40.0, barrier_s=20.0)
+    assert costs.rate(2.0) == pytest.approx(64 / 92)
+    assert (
+        rebalance(assignment, nodes, stages, policy, now=0.0, last_moved={}, step_costs=costs) == []
+    )
+
+
+def test_step_costs_reject_nonsense() -> None:
+    with pytest.raises(ValueError, match="samples"):
+        StepCosts(samples=0, first_samples=0, fill_s=1.0, barrier_s=1.0)
+    with pytest.raises(ValueError, match="fill_s"):
+        StepCosts(samples=8, first_samples=4, fill_s=-1.0, barrier_s=1.0)
+    assert StepCosts(samples=8, first_samples=4, fill_s=1.0, barrier_s=1.0).rate(0.0) == 0.0
 
 
 def test_a_gain_under_the_threshold_is_not_worth_moving_for() -> None:

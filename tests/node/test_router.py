@@ -234,3 +234,29 @@ async def test_a_peer_that_ends_the_call_while_we_write_is_a_failed_hop(swarm: S
         hop = await router.send_rerouting(1, _header(n), activation, codec=LOSSLESS, attempts=3)
         assert hop.peer == "ok"
     assert swarm.peers["early"].calls >= 1
+
+
+async def test_a_call_cut_when_its_peer_leaves_the_plan_is_a_failed_hop(
+    swarm: Swarm, router: Router
+) -> None:
+    """A peer that moves leaves the plan, and its channel is closed with the call open:
+    grpc.aio then raises CancelledError in the sender, which must come out as a failed hop
+    that reroutes, not as the sender's own cancellation (a head's workers all ended so)."""
+    await swarm.add("mover", "hang")
+    await swarm.add("ok", "ok")
+    router.set_plan(swarm.plan({"mover": 1.0}))
+    sending = asyncio.ensure_future(_send(router, attempts=1))
+    await _until(lambda: swarm.peers["mover"].calls == 1)
+    router.set_plan(swarm.plan({"ok": 1.0}))  # the mover left: its channel closes
+    with pytest.raises(HopError, match="left the plan"):
+        await sending
+    assert not router.health.benched("mover")  # it did nothing wrong
+    assert await _send(router, n=1) == "ok"
+    # The sender's own cancellation stays a cancellation.
+    router.set_plan(swarm.plan({"mover": 1.0}))
+    sending = asyncio.ensure_future(_send(router, attempts=1, n=2))
+    await _until(lambda: swarm.peers["mover"].calls == 2)
+    sending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sending
+    await router.close()
