@@ -134,12 +134,7 @@ async def serve(args: argparse.Namespace) -> int:
     signals = StopSignals(budget_s=STOP_BUDGET_S)
     signals.install()
     metrics = metrics_endpoint(args)
-    # Imported here, not above: the daemon imports torch, which `swarmpipe node --help`
-    # and a bad flag must not wait for (process/subcommands.py).
     from swarmpipe.control.link_control import ALL
-    from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
-    from swarmpipe.process.logs import set_log_identity
-    from swarmpipe.transport import tls
 
     if args.link_mbit is not None:
         check_limit(args.link_mbit * MBIT, what=f"--link-mbit {args.link_mbit}")
@@ -151,6 +146,12 @@ async def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--broker-retry {args.broker_retry:g}: give 0 < seconds <= 600")
     if args.node_id == ALL:
         raise ConfigError(f"--node-id {ALL!r} is reserved: it addresses every node of a run")
+    # Imported only now: the daemon imports torch (seconds on a loaded machine), which
+    # `swarmpipe node --help` and a bad flag above must not wait for (process/subcommands.py).
+    from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads
+    from swarmpipe.process.logs import set_log_identity
+    from swarmpipe.transport import tls
+
     if args.device:
         # Before anything is joined: a node that cannot train where it was told to leaves
         # no trace in the swarm.

@@ -17,4 +17,8 @@ mkdir -p .build && ln -sfn .. .build/swarmpipe
 echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy -p swarmpipe
 echo "== generated protobuf code"; .venv/bin/python scripts/gen_protos.py --check
-echo "== pytest"; .venv/bin/python -m pytest "$@"
+# Two workers (PYTEST_WORKERS=0: one process). loadfile keeps each module on one worker, so a
+# swarm or run that a module's tests share starts once; files go out in collection order
+# (tests/conftest.py puts the modules with slow tests first), not reordered by size.
+echo "== pytest"
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

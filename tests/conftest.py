@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -35,6 +36,33 @@ TINY = [
     # holds on any machine; the GPU tests set train.device=cuda after these.
     "train.device=cpu",
 ]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the modules that hold slow tests first, each in its own order, the rest after.
+
+    scripts/test.sh hands modules to two workers as each finishes one; a minute-long scenario
+    handed out last would leave the other worker idle for most of that minute, while short
+    tests at the end fill the gaps. The sort is stable: modules keep their order, and tests
+    that share a module's processes keep theirs."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_log_handler() -> Iterator[None]:
+    """Take off the root logger, after each test, the handler an in-process entry point
+    added (process/logs.py configure_logging: a StreamHandler on the stderr that pytest
+    captured for that test, closed once the test ends).
+
+    Left on, any later log line in the process, a garbage-collected event loop's included,
+    printed '--- Logging error ---' and a traceback into whichever test ran then: which one
+    depends on the order, and on two workers the order changes."""
+    level = logging.getLogger().level
+    yield
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if type(h) is not logging.StreamHandler]
+    root.setLevel(level)
 
 
 class _Details(

@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from swarmpipe.config import load_config
+from swarmpipe.model.reference import train_single_process
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 STEPS = 40
@@ -35,7 +38,6 @@ def _testnet(out: Path, tiny: list[str], *extra: str) -> dict[str, Any]:
 def test_a_coordinator_killed_and_started_again_finishes_the_run(
     tmp_path: Path, tiny: list[str]
 ) -> None:
-    reference = _testnet(tmp_path / "reference", tiny)
     report = _testnet(
         tmp_path / "restarted",
         tiny,
@@ -52,7 +54,10 @@ def test_a_coordinator_killed_and_started_again_finishes_the_run(
     assert c["lost"] == 0 and c["outstanding"] == 0, c
     assert c["committed"] == STEPS * 16, c
     assert [s["step"] for s in report["steps"]] == list(range(STEPS))
-    assert report["final_loss"] == pytest.approx(reference["final_loss"], rel=0.01)
+    # An uninterrupted run ends where single-process training does (test_training.py checks
+    # that to 1e-4), so that stands in for a second, uninterrupted testnet here.
+    uninterrupted = train_single_process(load_config(None, [*tiny, f"train.steps={STEPS}"]))
+    assert report["final_loss"] == pytest.approx(uninterrupted[-1], rel=0.01)
     # The nodes that trained through the restart are the ones that finished it.
     assert {m["node_id"] for m in report["members"]} == {"n0", "n1", "n2"}
     assert all(m["last_step"] == STEPS - 1 for m in report["members"])

@@ -117,12 +117,16 @@ def test_one_node_can_have_its_own_slow_link(procs, tiny) -> None:  # type: igno
     ],
 )
 def test_a_negative_node_link_setting_is_a_clear_error(flag: list[str], message: str) -> None:
+    # -X importtime lists every module imported: a bad flag is refused before torch.
     done = subprocess.run(
-        [sys.executable, "-m", "swarmpipe", "node", "--coordinator", "127.0.0.1:9", *flag],
+        [sys.executable, "-X", "importtime", "-m", "swarmpipe", "node",
+         "--coordinator", "127.0.0.1:9", *flag],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()]
+    assert "torch" not in imported, "a bad node flag waited for torch to import"
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The pipeline trains like one process: the real testnet against the single-process baseline."""
+"""The pipeline trains like one process: the real testnet against the single-process baseline,
+and the model exported from a run is the model single-process training gives."""
 
 from __future__ import annotations
 
@@ -16,29 +17,19 @@ import torch
 
 from swarmpipe.compression import encode_tensor
 from swarmpipe.config import load_config
+from swarmpipe.model import build_full_model, load_exported
+from swarmpipe.model.exported import read_exported_info
 from swarmpipe.model.reference import train_single_process
+from swarmpipe.storage.checkpoint_set import checkpoint_root, steps_by_stage
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def run_testnet(
-    out: Path, tiny: list[str], steps: int, *settings: str, nodes: int = 3
+    out: Path, tiny: list[str] | tuple[str, ...], steps: int, *settings: str, nodes: int = 3
 ) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "swarmpipe",
-        "testnet",
-        "--quiet",
-        "--nodes",
-        str(nodes),
-        "--stages",
-        "3",
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--nodes", str(nodes),
+           "--stages", "3", "--steps", str(steps), "--out", str(out)]  # fmt: skip
     for s in [*tiny, *settings]:
         cmd += ["--set", s]
     popen = subprocess.Popen(
@@ -57,13 +48,28 @@ def run_testnet(
     return report
 
 
-def test_lossless_pipeline_matches_single_process(tmp_path: Path, tiny: list[str]) -> None:
+TEN_STEP_SETTINGS = ("checkpoint.every_steps=5", "train.eval_every=5", "train.eval_samples=10")
+"""Checkpoints and evaluations at steps 5 and 10, on 10 held-out samples (not a multiple of
+the microbatch)."""
+
+
+@pytest.fixture(scope="module")
+def ten_step_run(tmp_path_factory: pytest.TempPathFactory, tiny_settings: tuple[str, ...]) -> Path:
+    """The --out folder of one finished lossless testnet (3 nodes, 3 stages, 10 steps,
+    TEN_STEP_SETTINGS), which both the training and the export tests below check: one run
+    instead of one each (scripts/test.sh's --dist loadfile keeps a module on one worker)."""
+    out = tmp_path_factory.mktemp("ten-step-run")
+    run_testnet(out, tiny_settings, 10, *TEN_STEP_SETTINGS)
+    return out
+
+
+def test_lossless_pipeline_matches_single_process(ten_step_run: Path, tiny: list[str]) -> None:
     # Evaluation rides along: 10 held-out samples (not a multiple of the microbatch) before
-    # steps 0 and 5 and after the last, forward only through the same pipeline.
-    evaluation = ["train.eval_every=5", "train.eval_samples=10"]
-    report = run_testnet(tmp_path, tiny, 10, *evaluation)
+    # steps 0 and 5 and after the last, forward only through the same pipeline. The run is
+    # shared with the export test below (its checkpoints change no loss).
+    report = json.loads((ten_step_run / "report.json").read_text())
     want_evals: list[tuple[int, float]] = []
-    config = load_config(None, [*tiny, *evaluation, "train.steps=10"])
+    config = load_config(None, [*tiny, *TEN_STEP_SETTINGS, "train.steps=10"])
     baseline = train_single_process(config, evals=want_evals)
     losses = [s["loss"] for s in report["steps"]]
     assert len(losses) == 10
@@ -280,3 +286,69 @@ def test_lossless_gpu_pipeline_matches_single_process_gpu(tmp_path: Path, tiny: 
         log = (tmp_path / "logs" / f"n{i}.log").read_text()
         assert "fp32 on cuda:0" in log, log[-2000:]
     assert report["counters"]["lost"] == 0
+
+
+def _swarmpipe(*args: str, timeout: float = 120) -> str:
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "swarmpipe", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = popen.communicate(timeout=timeout)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    assert popen.returncode == 0, f"swarmpipe {args[0]} failed:\n{out}\n{err}"
+    return out
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow  # two exports and two evals besides the shared 10-step testnet
+def test_an_exported_testnet_run_equals_single_process_training(
+    tmp_path: Path, tiny: list[str], ten_step_run: Path
+) -> None:
+    # The run that test_lossless_pipeline_matches_single_process checks, with checkpoints and
+    # evaluations at steps 5 and 10 (TEN_STEP_SETTINGS).
+    run = ten_step_run
+    report: dict[str, Any] = json.loads((run / "report.json").read_text())
+    run_evals = {e["step"]: e["loss"] for e in report["evals"]}
+    state_dir = run / "coordinator-state"
+    found = steps_by_stage(checkpoint_root(state_dir), "testnet")
+    # The run is done only once every stage's final state (step 10) is stored.
+    assert {stage: sorted(steps) for stage, steps in found.items()} == {
+        stage: [5, 10] for stage in range(3)
+    }, found
+    newest = 10
+
+    config = load_config(None, [*tiny, *TEN_STEP_SETTINGS, "train.steps=10"])
+    for step, chosen in ((None, newest), (5, 5)):
+        out = tmp_path / f"model-{chosen}.safetensors"
+        line = _swarmpipe(
+            "export", "--state-dir", str(state_dir), "--out", str(out),
+            *(["--step", str(step)] if step is not None else []),
+        )  # fmt: skip
+        assert line.startswith(f"exported run 'testnet' at step {chosen} (3 stages, ")
+        info = read_exported_info(out)
+        assert info.step == chosen
+        assert (info.config.model, info.config.train) == (config.model, config.train)
+
+        want = build_full_model(config)
+        train_single_process(config, steps=chosen, model=want)
+        difference = _max_difference(load_exported(out).state_dict(), want.state_dict())
+        print(f"step {chosen}: exported vs single-process parameters, max |diff| {difference:.3g}")
+        assert difference <= 1e-4
+
+        # The run evaluated at this step on the same held-out samples; eval must agree.
+        result = json.loads(_swarmpipe("eval", "--model", str(out), "--threads", "1"))
+        assert (result["step"], result["samples"]) == (chosen, 10)
+        gap = abs(result["loss"] - run_evals[chosen])
+        print(f"step {chosen}: eval {result['loss']} vs the run's {run_evals[chosen]}: {gap:.3g}")
+        assert gap <= 1e-4 * run_evals[chosen]
