@@ -119,6 +119,16 @@ class Router:
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
 
+    def sole_replica(self, node_id: str) -> bool:
+        """Whether `node_id` is the only replica of its stage in the current plan."""
+        plan = self.plan
+        if plan is None:
+            return False
+        for stage in plan.stages:
+            if any(r.node_id == node_id for r in stage.replicas):
+                return len(stage.replicas) == 1
+        return False
+
     def set_tls(self, tls: ChannelTLS) -> None:
         """Call peers with a renewed certificate: new calls get new channels; the old ones
         close once their calls had a hop's deadline to end (a TLS connection outlives the
@@ -245,7 +255,13 @@ class Router:
                     if reader is not None:
                         grad = await reader.finish()
                         if self.guard is not None:
-                            self.guard.check("gradient", grad, sender=peer, step=header.step)
+                            self.guard.check(
+                                "gradient",
+                                grad,
+                                sender=peer,
+                                step=header.step,
+                                sole=self.sole_replica(peer),
+                            )
                     self.health.succeeded(stage, peer, time.monotonic() - started)
                     return HopResult(grad, message.result, peer)
             raise PeerError("the stream ended without a result")

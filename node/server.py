@@ -296,7 +296,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await asyncio.to_thread(runtime.check_activation, activation, header.sample_count)
             if d.router.guard is not None:  # the node's one guard (node/tensor_guard.py)
                 sender = header.sender_node or header.origin_node
-                d.router.guard.check("activation", activation, sender=sender, step=header.step)
+                d.router.guard.check(
+                    "activation",
+                    activation,
+                    sender=sender,
+                    step=header.step,
+                    sole=d.router.sole_replica(sender),
+                )
             labels, tokens = decode_labels_and_tokens(header, d.config.model.vocab)
             runtime.check_tokens(tokens)
         except (PeerError, CodecError) as exc:

@@ -16,12 +16,21 @@ A refused tensor's sender is reported to the coordinator (ReportPeer, kind
 DATA) in the background, at most one report in flight per sender; the refusal
 itself is INVALID_ARGUMENT (server side) or a failed hop that is rerouted to
 another replica (client side).
+
+Except from a sender that is its stage's only replica in the plan: there is no
+other replica to reroute to, so refusing its tensors for their scale only stops
+the run (seen: a stage restored from its checkpoint four steps behind the others
+sent gradients 130-165x the window's median, every microbatch was refused and
+replayed for ever). Its tensor is accepted with a warning and the window of that
+kind starts again from it: the scale has changed for everyone who sends it. Non-
+finite values are refused from anyone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 from collections import deque
 
@@ -35,6 +44,7 @@ from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 logger = logging.getLogger(__name__)
 
 WARMUP = 8
+NON_FINITE = "contains NaN or infinite values"
 REPORT_TIMEOUT_S = 5.0
 
 
@@ -83,11 +93,29 @@ class TensorGuard:
             kind: deque(maxlen=robust.data_norm_window) for kind in ("activation", "gradient")
         }
         self.refused = 0
+        self.rebaselined = 0
+        """Tensors accepted past the bound because their sender had no other replica."""
 
-    def check(self, kind: str, tensor: torch.Tensor, *, sender: str, step: int) -> None:
-        """Accept `tensor` (a "activation" or "gradient") or raise PoisonedTensor, reporting."""
+    def check(
+        self, kind: str, tensor: torch.Tensor, *, sender: str, step: int, sole: bool = False
+    ) -> None:
+        """Accept `tensor` (a "activation" or "gradient") or raise PoisonedTensor, reporting.
+        `sole`: the sender is its stage's only replica (see the module's docstring)."""
         reason = self._verdict(kind, tensor)
         if reason is None:
+            return
+        if sole and not reason.endswith(NON_FINITE):
+            self.rebaselined += 1
+            logger.warning(
+                "accepted a%s from %s although %s: it is its stage's only replica; the "
+                "window starts again from it",
+                "n" if kind[0] in "aeiou" else "",
+                sender,
+                reason,
+            )
+            seen = self._seen[kind]
+            seen.clear()
+            seen.append(self._rms(tensor))
             return
         self.refused += 1
         logger.warning("refused a%s from %s: %s", "n" if kind[0] in "aeiou" else "", sender, reason)
@@ -95,12 +123,17 @@ class TensorGuard:
             self.reporter.report(sender, step, reason)
         raise PoisonedTensor(reason)
 
+    @staticmethod
+    def _rms(tensor: torch.Tensor) -> float:
+        norm = float(torch.linalg.vector_norm(tensor.double()).item())
+        return norm / math.sqrt(tensor.numel())
+
     def _verdict(self, kind: str, tensor: torch.Tensor) -> str | None:
         if tensor.numel() == 0:
             return None
         if not bool(torch.isfinite(tensor).all()):
-            return f"{kind} contains NaN or infinite values"
-        rms = float(torch.linalg.vector_norm(tensor.double()).item()) / tensor.numel() ** 0.5
+            return f"{kind} {NON_FINITE}"
+        rms = self._rms(tensor)
         seen = self._seen[kind]
         if len(seen) >= WARMUP:
             median = statistics.median(seen)
