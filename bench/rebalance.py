@@ -101,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mbit", type=float, default=0.3, help="every node's send limit to each peer"
     )
+    parser.add_argument(
+        "--node-profile",
+        action="append",
+        default=[],
+        metavar="NODE=mbit:X,slow:Y",
+        help="a node of its own (the testnet's --node-profile; repeat), for an unequal fleet",
+    )
     parser.add_argument("--fall", type=float, default=10.0, help="the victim's limit falls by")
     parser.add_argument("--drop-at-step", type=int, default=8, help="steps before the fall")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
@@ -296,6 +303,8 @@ def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str,
     ]  # fmt: skip
     for item in overrides:
         cmd += ["--set", item]
+    for profile in args.node_profile:
+        cmd += ["--node-profile", profile]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + args.timeout
     try:

@@ -314,15 +314,7 @@ class Membership:
             last_moved={m.node_id: m.moved_at for m in live},
         )
         bound = placement.throughput_bound(assignment, caps, specs)
-        return [
-            self.move(
-                self.members[mv.node_id],
-                mv.to_stage,
-                self._reason(mv, caps, specs, bound, bound),
-                now=now,
-            )
-            for mv in moves
-        ]
+        return self._order(moves, caps, specs, bound, bound, now=now)
 
     def unconfirmed(self) -> set[str]:
         """Live nodes that moved and have not been measured on their new stage yet: their
@@ -405,6 +397,19 @@ class Membership:
                 len(moves) - len(kept),
                 len(moves),
             )
+        return self._order(kept, caps, specs, before, after, now=now)
+
+    def _order(
+        self,
+        moves: list[placement.Move],
+        caps: dict[str, placement.NodeCaps],
+        specs: tuple[placement.StageSpec, ...],
+        before: float,
+        after: float,
+        *,
+        now: float,
+    ) -> list[MoveOrder]:
+        """Order the policy's moves, each with the reason people read."""
         return [
             self.move(
                 self.members[mv.node_id],
@@ -412,7 +417,7 @@ class Membership:
                 self._reason(mv, caps, specs, before, after),
                 now=now,
             )
-            for mv in kept
+            for mv in moves
         ]
 
     def _held_by(

@@ -181,6 +181,27 @@ class Procs:
         _, info = self.start("coordinator", *args)
         return f"127.0.0.1:{info['grpc_port']}"
 
+    def tls_pair(self, *settings: str) -> tuple[str, str, dict[str, Any], str]:
+        """A closed --tls coordinator on 2 stages with nodes n0 and n1 serving it (a join
+        token in hand, the CA from the ready file); returns the coordinator's address, the
+        CA file, n1's ready file and the join token."""
+        state = self.tmp / "coordinator-state"
+        from swarmpipe.coordinator.tokens import TokenStore
+
+        _, token = TokenStore(state).create(expires_s=None, note="test")
+        args = ["coordinator", "--listen", "127.0.0.1:0", "--tls", "--state-dir", str(state),
+                "--stay"]  # fmt: skip
+        for s in ["pipeline.stages=2", *settings]:
+            args += ["--set", s]
+        _, ready = self.start("coordinator", *args)
+        coordinator = f"127.0.0.1:{ready['grpc_port']}"
+        ca_file: str = ready["ca_file"]
+        env = {"SWARMPIPE_TOKEN": token}
+        self.node("n0", coordinator, "--ca-file", ca_file, env=env)
+        _, info = self.node("n1", coordinator, "--ca-file", ca_file, env=env)
+        self.wait_serving("n1")
+        return coordinator, ca_file, info, token
+
     @staticmethod
     def _node_args(name: str, coordinator: str) -> list[str]:
         return ["node", "--coordinator", coordinator, "--node-id", name,

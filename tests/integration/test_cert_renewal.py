@@ -9,7 +9,6 @@ import time
 import grpc
 import pytest
 
-from swarmpipe.coordinator.tokens import TokenStore
 from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.transport import tls
@@ -25,24 +24,9 @@ def test_nodes_renew_their_certificates_and_train_past_the_first_ones_expiry(
     procs: Procs, tiny: list[str]
 ) -> None:
     state = procs.tmp / "coordinator-state"
-    _, token = TokenStore(state).create(expires_s=None, note="test")
-    args = ["coordinator", "--listen", "127.0.0.1:0", "--tls", "--state-dir", str(state),
-            "--stay"]  # fmt: skip
-    settings = [
-        *tiny,
-        "pipeline.stages=2",
-        "train.steps=1000000",
-        "coordinator.node_cert_hours=0.01",
-    ]
-    for s in settings:
-        args += ["--set", s]
-    _, ready = procs.start("coordinator", *args)
-    coordinator = f"127.0.0.1:{ready['grpc_port']}"
-    ca_file = ready["ca_file"]
-    env = {"SWARMPIPE_TOKEN": token}
-    procs.node("n0", coordinator, "--ca-file", ca_file, env=env)
-    _, info = procs.node("n1", coordinator, "--ca-file", ca_file, env=env)
-    procs.wait_serving("n1")
+    coordinator, ca_file, info, _ = procs.tls_pair(
+        *tiny, "train.steps=1000000", "coordinator.node_cert_hours=0.01"
+    )
     joined = time.monotonic()
 
     def renewals(name: str) -> int:

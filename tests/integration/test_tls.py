@@ -19,7 +19,6 @@ import aiomqtt
 import pytest
 
 from swarmpipe.control.bus import make_client, parse_broker_url
-from swarmpipe.coordinator.tokens import TokenStore
 from swarmpipe.transport import tls
 from swarmpipe.transport.auth import CREDENTIAL_KEY, RunKey
 from tests.conftest import Procs, grpcurl_protos
@@ -81,22 +80,11 @@ def _grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
 def test_grpcurl_needs_tls_and_a_node_needs_a_client_certificate_of_the_caller(
     procs: Procs, tiny: list[str]
 ) -> None:
-    state = procs.tmp / "coordinator-state"
-    _, token = TokenStore(state).create(expires_s=None, note="test")
-    args = ["coordinator", "--listen", "127.0.0.1:0", "--tls", "--state-dir", str(state),
-            "--stay"]  # fmt: skip
     # Steps enough that the run outlasts the checks (1000 tiny steps once ended first and
     # the nodes left: "connection refused"); the fixture stops it.
-    for s in [*tiny, "pipeline.stages=2", "train.steps=1000000"]:
-        args += ["--set", s]
-    _, ready = procs.start("coordinator", *args)
-    coordinator = f"127.0.0.1:{ready['grpc_port']}"
-    ca_file = ready["ca_file"]
+    coordinator, ca_file, info, token = procs.tls_pair(*tiny, "train.steps=1000000")
+    state = procs.tmp / "coordinator-state"
     assert ca_file == str((state / "ca.pem").resolve())
-    env = {"SWARMPIPE_TOKEN": token}
-    procs.node("n0", coordinator, "--ca-file", ca_file, env=env)
-    _, info = procs.node("n1", coordinator, "--ca-file", ca_file, env=env)
-    procs.wait_serving("n1")
     node = f"127.0.0.1:{info['grpc_port']}"
     health = "grpc.health.v1.Health/Check"
     info_rpc = "swarmpipe.v1.Stage/Info"
@@ -132,7 +120,12 @@ def test_grpcurl_needs_tls_and_a_node_needs_a_client_certificate_of_the_caller(
     assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
     # A node without the CA cannot join, and says what it lacks in one line.
     lost, _ = procs.start(
-        "lost", *procs._node_args("lost", coordinator), "--join-timeout", "3", ready=False, env=env
+        "lost",
+        *procs._node_args("lost", coordinator),
+        "--join-timeout",
+        "3",
+        ready=False,
+        env={"SWARMPIPE_TOKEN": token},
     )
     assert lost.wait(timeout=120) == 3
     last = (procs.tmp / "lost.log").read_text().strip().splitlines()[-1]
