@@ -195,32 +195,15 @@ def _budget(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _fuzz_started(args: argparse.Namespace) -> dict[str, Any]:
-    from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
     from swarmpipe.testnet.processes import ProcessGroup
 
     with tempfile.TemporaryDirectory(prefix="swarmpipe-bench-fuzz-") as tmp:
         group = ProcessGroup(Path(tmp))
         try:
-            coord_args = ["coordinator", "--listen", "127.0.0.1:0"]
-            coord_args += ["--state-dir", str(Path(tmp) / "state"), "--stay"]
-            for item in ["pipeline.stages=2", *args.set]:
-                coord_args += ["--set", item]
-            coordinator = group.start("coordinator", coord_args)
-            ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
+            coordinator, ready, node, info = group.coordinator_and_node(
+                list(args.set), START_TIMEOUT_S
+            )
             coord_target = f"127.0.0.1:{ready['grpc_port']}"
-            node = group.start(
-                "n0",
-                ["node", "--coordinator", coord_target, "--node-id", "n0",
-                 "--listen", "127.0.0.1:0", "--threads", "1"],
-            )  # fmt: skip
-
-            def serving() -> dict[str, Any] | None:
-                if not node.alive():
-                    raise SystemExit(f"n0 exited:\n{node.log_tail()}")
-                info = read_ready_file(node.ready_file)
-                return info if info and info.get("serving") else None
-
-            info = poll_until(serving, START_TIMEOUT_S, "n0 to serve")
             metadata = fuzz_credentials(Path(tmp) / "state")
             return {
                 "coordinator": await fuzz_process(

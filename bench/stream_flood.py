@@ -90,30 +90,11 @@ async def _flood(
 
 async def _side(args: argparse.Namespace, settings: list[str], tmp: Path) -> dict[str, Any]:
     from swarmpipe.bench.fuzz_rpc import reset_peak_memory
-    from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
     from swarmpipe.testnet.processes import ProcessGroup
 
     group = ProcessGroup(tmp)
     try:
-        coord_args = ["coordinator", "--listen", "127.0.0.1:0"]
-        coord_args += ["--state-dir", str(tmp / "state"), "--stay"]
-        for item in ["pipeline.stages=2", *settings]:
-            coord_args += ["--set", item]
-        coordinator = group.start("coordinator", coord_args)
-        ready = wait_ready_file(coordinator.ready_file, START_TIMEOUT_S, coordinator.alive)
-        node = group.start(
-            "n0",
-            ["node", "--coordinator", f"127.0.0.1:{ready['grpc_port']}", "--node-id", "n0",
-             "--listen", "127.0.0.1:0", "--threads", "1"],
-        )  # fmt: skip
-
-        def serving() -> dict[str, Any] | None:
-            if not node.alive():
-                raise SystemExit(f"n0 exited:\n{node.log_tail()}")
-            info = read_ready_file(node.ready_file)
-            return info if info and info.get("serving") else None
-
-        info = poll_until(serving, START_TIMEOUT_S, "n0 to serve")
+        _, _, node, info = group.coordinator_and_node(list(settings), START_TIMEOUT_S)
         pid = int(info["pid"])
         before = _proc_status(pid)
         reset = reset_peak_memory(pid)

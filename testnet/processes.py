@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,35 @@ class ProcessGroup:
         self.wrap: Callable[[str], list[str]] | None = None
         """What goes before a child's command, by its name (`ip netns exec NS` with --netns)."""
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def coordinator_and_node(
+        self, settings: list[str], timeout_s: float
+    ) -> tuple[Child, dict[str, Any], Child, dict[str, Any]]:
+        """A coordinator on 2 stages (state in `workdir/state`, staying after the run) and
+        node n0 serving it: each Child with its ready file's contents (the benches that
+        measure one node under attack start this)."""
+        from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
+
+        args = ["coordinator", "--listen", "127.0.0.1:0"]
+        args += ["--state-dir", str(self.workdir / "state"), "--stay"]
+        for item in ["pipeline.stages=2", *settings]:
+            args += ["--set", item]
+        coordinator = self.start("coordinator", args)
+        ready = wait_ready_file(coordinator.ready_file, timeout_s, coordinator.alive)
+        node = self.start(
+            "n0",
+            ["node", "--coordinator", f"127.0.0.1:{ready['grpc_port']}", "--node-id", "n0",
+             "--listen", "127.0.0.1:0", "--threads", "1"],
+        )  # fmt: skip
+
+        def serving() -> dict[str, Any] | None:
+            if not node.alive():
+                raise SystemExit(f"n0 exited:\n{node.log_tail()}")
+            info = read_ready_file(node.ready_file)
+            return info if info and info.get("serving") else None
+
+        info: dict[str, Any] = poll_until(serving, timeout_s, "n0 to serve")
+        return coordinator, ready, node, info
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         log_path = self.workdir / "logs" / f"{name}.log"
