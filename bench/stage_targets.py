@@ -9,6 +9,7 @@ and a replica check a peer's bytes against.
 from __future__ import annotations
 
 import asyncio
+import weakref
 import zlib
 from collections.abc import AsyncIterator, Callable
 from functools import cache
@@ -36,6 +37,19 @@ def tiny_runtime(stage: int) -> Any:
 
     torch.manual_seed(0)
     return StageRuntime(load_config(None, _TINY), stage)
+
+
+def _closing_with(
+    run: Callable[[bytes], bool], loop: asyncio.AbstractEventLoop
+) -> Callable[[bytes], bool]:
+    """`run`, with `loop` (which it drives, input after input) closed once `run` is dropped.
+
+    A target lives as long as its caller holds it: a fuzz child's whole run, or one test.
+    An event loop collected unclosed warns (ResourceWarning, for it and its two self-pipe
+    sockets) from whatever code runs at that moment, and under a test module's
+    `filterwarnings("error")` that failed an unrelated test."""
+    weakref.finalize(run, loop.close)
+    return run
 
 
 def _state_bytes(stage: int) -> int:
@@ -218,7 +232,7 @@ def forward_request() -> Callable[[bytes], bool]:
             raise Crash(f"labels of shape {tuple(labels.shape)}")
         return True
 
-    return run
+    return _closing_with(run, loop)
 
 
 def reduce_request() -> Callable[[bytes], bool]:
@@ -284,4 +298,4 @@ def reduce_request() -> Callable[[bytes], bool]:
                     raise Crash(f"a contribution of shape {tuple(flat.shape)} was taken")
         return True
 
-    return run
+    return _closing_with(run, loop)
