@@ -142,7 +142,7 @@ def checkpoint_stream() -> Callable[[bytes], bool]:
         stream.finish()
         return True
 
-    run.folder = folder  # type: ignore[attr-defined]  # kept alive with the target
+    weakref.finalize(run, folder.cleanup)  # removed with the target, not by the collector
     return run
 
 
@@ -177,11 +177,11 @@ def checkpoint_file() -> Callable[[bytes], bool]:
             for message in state_messages(manifest, chunks):
                 receiver.add(message)
         finally:
-            chunks.close()  # type: ignore[attr-defined]  # a generator: closes the file
+            chunks.close()
         receiver.finish()
         return True
 
-    run.folder = folder  # type: ignore[attr-defined]
+    weakref.finalize(run, folder.cleanup)  # removed with the target, not by the collector
     return run
 
 

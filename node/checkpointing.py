@@ -226,8 +226,11 @@ def _read_from_folder(
         receiver: StateReceiver = make_receiver()
         try:
             manifest, chunks = store.read(path)
-            for message in state_messages(manifest, chunks):
-                receiver.add(message)
+            try:
+                for message in state_messages(manifest, chunks):
+                    receiver.add(message)
+            finally:
+                chunks.close()
             return receiver.finish()
         except (OSError, PeerError, ValueError) as exc:
             logger.error("checkpoint %s (step %d) is unusable: %s", path, step, exc)

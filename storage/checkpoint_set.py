@@ -166,8 +166,11 @@ def read_stage(path: Path, *, run_id: str, stage: int, step: int) -> StageParame
     stream = StateStream(max_bytes=MAX_STATE_BYTES, check=check, open_sink=sink.open)
     try:
         manifest, chunks = read_checkpoint(path)
-        for message in state_messages(manifest, chunks):
-            stream.add(message)
+        try:
+            for message in state_messages(manifest, chunks):
+                stream.add(message)
+        finally:
+            chunks.close()
         checked = stream.finish()
     except PeerError as exc:
         raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from exc

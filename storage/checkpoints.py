@@ -242,7 +242,7 @@ class CheckpointStore:
             old.unlink(missing_ok=True)
         return final
 
-    def read(self, path: Path) -> tuple[state_pb2.StateManifest, Iterator[bytes]]:
+    def read(self, path: Path) -> tuple[state_pb2.StateManifest, FileChunks]:
         """A checkpoint's manifest and an iterator over its payload chunks (see read_checkpoint)."""
         return read_checkpoint(path)
 
@@ -293,7 +293,7 @@ class CheckpointWriter:
         self._tmp.unlink(missing_ok=True)
 
 
-def read_checkpoint(path: Path) -> tuple[state_pb2.StateManifest, Iterator[bytes]]:
+def read_checkpoint(path: Path) -> tuple[state_pb2.StateManifest, FileChunks]:
     """A checkpoint file's manifest and an iterator over its payload chunks (the file stays
     open until the iterator is exhausted or closed). The manifest is only decoded here: feed
     both to a `StateStream` to check it and the payload's length and sha256."""
@@ -317,18 +317,36 @@ def read_checkpoint(path: Path) -> tuple[state_pb2.StateManifest, Iterator[bytes
     except Exception:
         f.close()
         raise
-    return manifest, _file_chunks(f, int(manifest.payload_bytes))
+    return manifest, FileChunks(f, int(manifest.payload_bytes))
 
 
-def _file_chunks(f: BinaryIO, payload_bytes: int) -> Iterator[bytes]:
-    with f:
-        left = payload_bytes
-        while left > 0:
-            data = f.read(min(CHUNK_BYTES, left))
-            if not data:
-                return  # truncated: the reader's length check says so
-            left -= len(data)
-            yield data
+class FileChunks:
+    """A checkpoint file's payload chunks, read as iterated; the file closes at the end, on
+    close(), or when the iterator is dropped. (A generator closed or dropped before its first
+    chunk never runs its `with`, so a checkpoint refused for its manifest left its file open
+    until the collector found it, and a ResourceWarning for whatever ran then.)"""
+
+    def __init__(self, f: BinaryIO, payload_bytes: int) -> None:
+        self._f = f
+        self._left = payload_bytes
+
+    def __iter__(self) -> FileChunks:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._left > 0 and not self._f.closed:
+            data = self._f.read(min(CHUNK_BYTES, self._left))
+            if data:
+                self._left -= len(data)
+                return data
+        self.close()  # the end, or truncated: the reader's length check says so
+        raise StopIteration
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def fsync_path(path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -38,7 +39,7 @@ def test_nodes_renew_their_certificates_and_train_past_the_first_ones_expiry(
     admin = (state / "admin-token").read_text().strip()
     channel = grpc.secure_channel(
         coordinator,
-        grpc.ssl_channel_credentials(open(ca_file, "rb").read()),
+        grpc.ssl_channel_credentials(Path(ca_file).read_bytes()),
         options=[("grpc.ssl_target_name_override", tls.COORDINATOR_NAME)],
     )
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -316,3 +318,32 @@ def test_a_broken_checkpoint_file_is_a_peer_error(
     path.write_bytes(content)
     with pytest.raises(PeerError, match=problem):
         CheckpointStore(tmp_path, "r").read(path)
+
+
+@pytest.mark.parametrize("finish", ["close", "drop"])
+def test_a_checkpoint_read_no_further_than_its_manifest_leaves_no_file_open(
+    tmp_path: Path, finish: str
+) -> None:
+    # The chunk iterator was a generator: closed or dropped before its first chunk (a file
+    # refused for its manifest), it never ran its `with`, and the file stayed open until the
+    # collector warned about it from whatever test ran then.
+    config = _config()
+    store = CheckpointStore(tmp_path, config.run_id)
+    snapshot = _trained(config, 1, 1).export_state(node_id="a").seal()
+    writer = store.receive(1)
+    for message in state_messages(snapshot.manifest, snapshot.chunks()):
+        writer.add(message)
+    path = writer.commit()
+    manifest, chunks = store.read(path)
+    opened = chunks._f
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if finish == "close":
+            chunks.close()
+        del chunks
+        gc.collect()
+    assert opened.closed
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    manifest, chunks = store.read(path)
+    assert sum(len(c) for c in chunks) == manifest.payload_bytes
+    assert chunks._f.closed
