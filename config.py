@@ -589,13 +589,12 @@ class RobustConfig:
     """Rounds of the centred clip (the first already lands on the plain mean when nothing
     is clipped)."""
     direction_sigmas: float = 0.0
-    """With three or more contributions with traffic, one whose cosine with every other one
-    (and the optimizer's momentum) is within this many standard deviations of a random
-    vector's (|cosine| < this / sqrt(parameters)) is dropped: noise of a plausible norm.
-    0 (the default) turns the screen off. Turn it on (3 is a fair value) only where honest
-    gradients are well above noise (large microbatches): on small ones honest cosines come
-    near zero early in training, and the screen dropped and benched honest replicas of the
-    tiny test model."""
+    """A contribution whose cosine with every other one with traffic and with the optimizer's
+    momentum is within this many standard deviations of a random vector's (|cosine| < this /
+    sqrt(parameters)) is dropped as noise of a plausible norm, when two of the others relate
+    by 1.5 times that. 0 (the default) turns the screen off. Turn it on (3 is a fair value) where
+    honest gradients are well above noise (large microbatches): on the tiny test model's last
+    stage an honest gradient came out that unrelated at 2-3 % of steps."""
     data_norm_ratio: float = 100.0
     """A stage refuses (INVALID_ARGUMENT) an activation or gradient whose root-mean-square
     value exceeds this many times the median of the last `data_norm_window` it accepted
