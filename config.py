@@ -604,6 +604,11 @@ class RobustConfig:
     been seen only the finite check applies."""
     bench_s: float = 600.0
     """How long the coordinator keeps a reported node out of the run (Join refused)."""
+    bench_verdicts: int = 2
+    """A replica is benched once a strict majority of its stage's other replicas dropped its
+    reduce contribution at this many steps among the last four (coordinator/suspects.py):
+    the screens are statistical and an honest gradient fails one now and then; a hostile
+    replica fails at every reduce it is judged in. Each drop is reported either way."""
 
     def __post_init__(self) -> None:
         for name in ("reduce_norm_ratio", "data_norm_ratio"):
@@ -619,6 +624,8 @@ class RobustConfig:
             raise ConfigError("robust.data_norm_window must be >= 8")
         if self.bench_s < 0:
             raise ConfigError("robust.bench_s must be >= 0 (0: report without benching)")
+        if not 1 <= self.bench_verdicts <= 4:
+            raise ConfigError("robust.bench_verdicts must be 1 to 4 (steps among the last four)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -92,7 +92,9 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
             assert set(r0["rejected"]) == set()
         honest = {n: r0["contributions"][n] for n in ("n0", "n1")}
         replay.apply_step(step, plain_sum(honest))
-    assert dropped and dropped[0] == bench.step
+    # Benched at the second step it was dropped at within four (robust.bench_verdicts).
+    second = next(d for i, d in enumerate(dropped) if any(d - e < 4 for e in dropped[:i]))
+    assert bench.step == second
 
     # The honest replicas agree with each other and with the run without nx.
     honest_nodes = {n.node_id: n for n in final.nodes if n.node_id in ("n0", "n1")}
