@@ -594,7 +594,7 @@ class RobustConfig:
     sqrt(parameters)) is dropped as noise of a plausible norm, when two of the others relate
     by 1.5 times that. 0 (the default) turns the screen off. Turn it on (3 is a fair value) where
     honest gradients are well above noise (large microbatches): on the tiny test model's last
-    stage an honest gradient came out that unrelated at 2-3 % of steps."""
+    stage an honest gradient came out that unrelated at 2-5 % of steps."""
     data_norm_ratio: float = 100.0
     """A stage refuses (INVALID_ARGUMENT) an activation or gradient whose root-mean-square
     value exceeds this many times the median of the last `data_norm_window` it accepted

@@ -12,7 +12,7 @@ last VERDICT_WINDOW (2 by default): the screens are statistical, and an honest
 replica's gradient does now and then fail one (the testnet's model has loss
 spikes: one honest replica's norm came out 26x the others' and a clean run
 benched it; on the tests' tiny model an honest gradient came out as unrelated
-as noise at 2-3 % of steps). Its contribution is dropped and reported each
+as noise at 2-5 % of steps). Its contribution is dropped and reported each
 time, so one odd step costs that step's share, not a node for `bench_s`; a
 hostile replica fails at every reduce it is judged in, and is benched at its
 second. A data-plane refusal has only one witness (the receiving node), so one

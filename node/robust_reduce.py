@@ -36,7 +36,7 @@ drops the same senders and takes the same step. Four screens, in order:
    3 stages) no honest vector came closer to unrelated than 14 sigma against
    the bound's 3; on the last stage of the test suite's tiny model (4-sample
    microbatches) an honest gradient came out as unrelated as noise while the
-   other two related at 2-3 % of 196 steps (down to 1.5 sigma), so the screen
+   other two related at 2-5 % of 196 steps (down to 1.5 sigma), so the screen
    stays opt-in. At step 0 with two, the noise goes into the sum: withholding
    both instead cost more than it saved (scripts/hostile_floor.py, seed 3:
    6.0 % mean and 34 % worst step against 1.4 % and 9.6 %), since the steps
@@ -216,7 +216,6 @@ def _unrelated(
                 f"random vector's (largest |cosine| {closest:.3g}; the bound is {bound:.3g}) "
                 f"while the others relate (|cosine| {evidence:.3g})"
             )
-    return rejected
     return rejected
 
 
