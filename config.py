@@ -589,12 +589,14 @@ class RobustConfig:
     """Rounds of the centred clip (the first already lands on the plain mean when nothing
     is clipped)."""
     direction_sigmas: float = 0.0
-    """A contribution whose cosine with every other one with traffic and with the optimizer's
-    momentum is within this many standard deviations of a random vector's (|cosine| < this /
-    sqrt(parameters)) is dropped as noise of a plausible norm, when two of the others relate
-    by 1.5 times that. 0 (the default) turns the screen off. Turn it on (3 is a fair value) where
-    honest gradients are well above noise (large microbatches): on the tiny test model's last
-    stage an honest gradient came out that unrelated at 2-5 % of steps."""
+    """The noise screens (node/robust_reduce.py). A contribution whose log-magnitudes are
+    correlated with those of AdamW's second moment by fewer than this many standard deviations
+    of a random vector's is dropped; so is one whose cosine with every other one with traffic
+    and with the momentum is within this many (|cosine| < this / sqrt(parameters)), when two
+    of the others relate by 1.5 times that. 0 (the default) turns both off. Turn them on (3 is
+    a fair value) where honest gradients are well above noise (large microbatches): on the
+    tiny test model's last stage an honest gradient came out unrelated in direction at 2-5 %
+    of steps."""
     data_norm_ratio: float = 100.0
     """A stage refuses (INVALID_ARGUMENT) an activation or gradient whose root-mean-square
     value exceeds this many times the median of the last `data_norm_window` it accepted

@@ -107,6 +107,7 @@ def replay(overrides: list[str], steps: int, policy: str, seed: int) -> dict[str
             clip_iterations=robust.clip_iterations,
             direction_sigmas=robust.direction_sigmas,
             reference=gradient_momentum(runtime),
+            profile=gradient_momentum(runtime, "exp_avg_sq"),
         )
         runtime.apply_step(step, result.total)
         for suspect in sorted(dropped | set(result.rejected)):

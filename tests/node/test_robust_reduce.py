@@ -197,3 +197,24 @@ def test_three_vectors_all_unrelated_drop_nobody() -> None:
     mixed = {"a": _honest(1), "b": _honest(3), "x": _noise_like(_honest(2))}
     result = aggregate(mixed, reference=momentum, per="tokens", direction_sigmas=3.0, **KW)
     assert set(result.rejected) == {"x"} and "while the others relate" in result.rejected["x"]
+
+
+def test_a_lone_contribution_is_judged_by_its_magnitudes_against_the_second_moment() -> None:
+    # The fastest replica leases what it can, so a step's only traffic can be the hostile
+    # replica's: nothing to compare its direction with, but AdamW's second moment says which
+    # parameters have large gradients, and noise's magnitudes do not follow it.
+    g = torch.Generator().manual_seed(5)
+    scale = torch.cat([torch.full((500,), 1e-3), torch.full((500,), 1.0)])  # two "tensors"
+    profile = scale.square() * (0.5 + torch.rand(1000, generator=g))  # exp_avg_sq
+    honest = (scale * torch.randn(1000, generator=g) * 64, 64, 8)
+    idle = (torch.zeros(1000), 0, 0)
+    kw = {"per": "tokens", "direction_sigmas": 3.0, **KW}
+    alone = {"a": idle, "b": idle, "x": _noise_like(honest)}
+    result = aggregate(alone, profile=profile, **kw)  # type: ignore[arg-type]
+    assert set(result.rejected) == {"x"} and "second moment" in result.rejected["x"]
+    assert result.total[1] == 0  # the step applies nothing
+    fine = aggregate({"a": idle, "b": idle, "h": honest}, profile=profile, **kw)  # type: ignore[arg-type]
+    assert fine.rejected == {} and torch.equal(fine.total[0], torch.zeros(1000) + honest[0])
+    # Off with the screen, and before the optimizer has a second moment (step 0).
+    assert aggregate(alone, profile=profile, **{**kw, "direction_sigmas": 0.0}).rejected == {}  # type: ignore[arg-type]
+    assert aggregate(alone, profile=torch.zeros(1000), **kw).rejected == {}  # type: ignore[arg-type]
