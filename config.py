@@ -589,13 +589,14 @@ class RobustConfig:
     """Rounds of the centred clip (the first already lands on the plain mean when nothing
     is clipped)."""
     direction_sigmas: float = 0.0
-    """With three or more contributions with traffic, one whose cosine with every other one
-    (and the optimizer's momentum) is within this many standard deviations of a random
-    vector's (|cosine| < this / sqrt(parameters)) is dropped: noise of a plausible norm.
-    0 (the default) turns the screen off. Turn it on (3 is a fair value) only where honest
-    gradients are well above noise (large microbatches): on small ones honest cosines come
-    near zero early in training, and the screen dropped and benched honest replicas of the
-    tiny test model."""
+    """The noise screens (node/robust_reduce.py). A contribution whose log-magnitudes are
+    correlated with those of AdamW's second moment by fewer than this many standard deviations
+    of a random vector's is dropped; so is one whose cosine with every other one with traffic
+    and with the momentum is within this many (|cosine| < this / sqrt(parameters)), when two
+    of the others relate by 1.5 times that. 0 (the default) turns both off. Turn them on (3 is
+    a fair value) where honest gradients are well above noise (large microbatches): on the
+    tiny test model's last stage an honest gradient came out unrelated in direction at 2-5 %
+    of steps."""
     data_norm_ratio: float = 100.0
     """A stage refuses (INVALID_ARGUMENT) an activation or gradient whose root-mean-square
     value exceeds this many times the median of the last `data_norm_window` it accepted
@@ -605,6 +606,11 @@ class RobustConfig:
     been seen only the finite check applies."""
     bench_s: float = 600.0
     """How long the coordinator keeps a reported node out of the run (Join refused)."""
+    bench_verdicts: int = 2
+    """A replica is benched once a strict majority of its stage's other replicas dropped its
+    reduce contribution at this many steps among the last four (coordinator/suspects.py):
+    the screens are statistical and an honest gradient fails one now and then; a hostile
+    replica fails at every reduce it is judged in. Each drop is reported either way."""
 
     def __post_init__(self) -> None:
         for name in ("reduce_norm_ratio", "data_norm_ratio"):
@@ -620,6 +626,8 @@ class RobustConfig:
             raise ConfigError("robust.data_norm_window must be >= 8")
         if self.bench_s < 0:
             raise ConfigError("robust.bench_s must be >= 0 (0: report without benching)")
+        if not 1 <= self.bench_verdicts <= 4:
+            raise ConfigError("robust.bench_verdicts must be 1 to 4 (steps among the last four)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

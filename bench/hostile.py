@@ -8,8 +8,14 @@ F). The coordinator leases the same samples at every step in both runs, so their
 per-step training losses compare directly. Prints JSON: both loss curves, the
 relative difference per step, its mean and maximum, the final losses, and whom
 the coordinator benched and why. The hostile replica is dropped from the first
-reduce in which it had traffic, so its samples leave that step's update; then it is
+reduce it is judged in, so its samples leave that step's update; then it is
 benched and the other replicas take its traffic.
+
+A second clean run (`--clean-runs 2`, the default) is the floor to read the
+figures against: which replica gets which microbatch depends on timing, and the
+centred clip of three differs from the plain sum of two, so two clean runs of
+the same seed differ too, and the tiny model's loss spikes (a step at 5.5
+among steps at 3.3) turn that into per-step gaps of tens of percent.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=3, help="replicas of the one stage")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--hostile", default="n2", help="the node that misbehaves")
+    parser.add_argument(
+        "--clean-runs",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="2 runs the clean testnet twice, to show how far two clean runs differ",
+    )
     add_config_arguments(parser, with_file=False)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--out", help="write the JSON here too")
@@ -71,6 +84,7 @@ def compare(clean: list[dict[str, Any]], poisoned: list[dict[str, Any]]) -> dict
         "steps_compared": len(rows),
         "mean_abs_relative_difference": sum(diffs) / len(diffs) if diffs else None,
         "max_abs_relative_difference": max(diffs) if diffs else None,
+        "steps_over_2_percent": [r["step"] for r in rows if abs(r["relative_difference"]) > 0.02],
         "final_clean_loss": rows[-1]["clean_loss"] if rows else None,
         "final_hostile_loss": rows[-1]["hostile_loss"] if rows else None,
         "curve": rows,
@@ -88,19 +102,29 @@ def serve(args: argparse.Namespace) -> int:
     clean = _run(args, "", "clean")
     poisoned = _run(args, switch, f"with {switch}")
     figures = compare(clean["steps"], poisoned["steps"])
+    floor: dict[str, Any] = {}
+    if args.clean_runs == 2:
+        again = _run(args, "", "clean, again")
+        floor = {k: v for k, v in compare(clean["steps"], again["steps"]).items() if k != "curve"}
+        floor["benched"] = again.get("benched", [])
     result = {
         "mode": args.mode,
         "hostile": args.hostile,
         "nodes": args.nodes,
         "steps": args.steps,
         **{k: v for k, v in figures.items() if k != "curve"},
-        "within_2_percent": (
+        "mean_within_2_percent": (
             figures["mean_abs_relative_difference"] is not None
             and figures["mean_abs_relative_difference"] <= 0.02
+        ),
+        "every_step_within_2_percent": (
+            figures["max_abs_relative_difference"] is not None
+            and figures["max_abs_relative_difference"] <= 0.02
         ),
         "benched": poisoned.get("benched", []),
         "reports": poisoned.get("reports", 0),
         "clean_benched": clean.get("benched", []),
+        "second_clean_run": floor or None,
         "curve": figures["curve"],
     }
     text = json.dumps(result, indent=2)

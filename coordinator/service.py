@@ -147,7 +147,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.certificates_renewed = 0
         self.departures = 0
         self.move_records: list[coordinator_pb2.MoveRecord] = []
-        self.suspects = Suspects(bench_s=config.robust.bench_s)
+        self.suspects = Suspects(
+            bench_s=config.robust.bench_s, verdicts=config.robust.bench_verdicts
+        )
         self.db = state_db
         """Where every change that matters is recorded (coordinator/state_db.py); None: not
         kept (unit tests)."""

@@ -81,16 +81,17 @@ RESEND_MAX_S = 1.0
 MANIFEST_EXTRA = 0.5
 
 
-def gradient_momentum(runtime: StageRuntime) -> torch.Tensor | None:
-    """AdamW's first moment as one flat vector (equal on every replica), or None before it has
-    one. DiLoCo's inner moments are each replica's own, so it passes none."""
+def gradient_momentum(runtime: StageRuntime, moment: str = "exp_avg") -> torch.Tensor | None:
+    """AdamW's first moment (or `moment="exp_avg_sq"`, its second) as one flat vector (equal
+    on every replica), or None before it has one. DiLoCo's inner moments are each replica's
+    own, so it passes none."""
     state = runtime.optimizer.state
     parameters = list(runtime.module.parameters())
-    if not any("exp_avg" in state.get(p, {}) for p in parameters):
+    if not any(moment in state.get(p, {}) for p in parameters):
         return None
     return torch.cat(
         [
-            (state[p]["exp_avg"] if "exp_avg" in state.get(p, {}) else torch.zeros_like(p))
+            (state[p][moment] if moment in state.get(p, {}) else torch.zeros_like(p))
             .reshape(-1)
             .float()
             for p in parameters
@@ -416,6 +417,7 @@ class ReplicaSync:
         contributions: dict[str, Contribution],
         per: Per,
         reference: torch.Tensor | None = None,
+        profile: torch.Tensor | None = None,
     ) -> Aggregate:
         """The robust aggregate of the agreed contributions (the same on every replica)."""
         robust = self.ctx.config.robust
@@ -429,6 +431,7 @@ class ReplicaSync:
                 clip_iterations=robust.clip_iterations,
                 direction_sigmas=robust.direction_sigmas,
                 reference=reference,
+                profile=profile,
             ),
         )
         hostile.record(
@@ -478,7 +481,8 @@ class ReplicaSync:
         own = await d.compute.run(BACKWARD, runtime.local_gradient)
         agreed = await self.exchange(step, own, delta=False)
         momentum = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime))
-        result = await self._combine(step, agreed, "tokens", momentum)
+        profile = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime, "exp_avg_sq"))
+        result = await self._combine(step, agreed, "tokens", momentum, profile)
         return result.total, len(result.accepted)
 
     async def average_parameters(self, step: int) -> int:

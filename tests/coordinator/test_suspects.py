@@ -13,12 +13,13 @@ def _report(
     kind: str = REDUCE,
     *,
     sole: bool = False,
+    step: int = 4,
 ):  # type: ignore[no-untyped-def]
     return s.report(
         sole_server=sole,
         reporter=reporter,
         suspect=suspect,
-        step=4,
+        step=step,
         kind=kind,
         reason="norm too large",
         stage=1,
@@ -28,7 +29,7 @@ def _report(
 
 
 def test_two_honest_replicas_bench_a_third_but_one_cannot_bench_an_honest_one() -> None:
-    s = Suspects(bench_s=60.0)
+    s = Suspects(bench_s=60.0, verdicts=1)
     assert _report(s, "x", "a", {"b", "x"}) is None  # x alone against a: not a majority
     assert _report(s, "a", "x", {"a", "b"}) is None
     entry = _report(s, "b", "x", {"a", "b"})
@@ -43,19 +44,19 @@ def test_two_honest_replicas_bench_a_third_but_one_cannot_bench_an_honest_one() 
 
 
 def test_in_a_stage_of_two_one_replica_cannot_bench_the_other() -> None:
-    s = Suspects(bench_s=60.0)
+    s = Suspects(bench_s=60.0, verdicts=1)
     assert _report(s, "a", "x", {"a"}) is None  # a majority of one, but either may be odd
     assert not s.is_benched("x", 100.0)
 
 
 def test_a_data_plane_refusal_benches_on_one_report() -> None:
-    s = Suspects(bench_s=60.0)
+    s = Suspects(bench_s=60.0, verdicts=1)
     assert _report(s, "a", "y", set(), kind=DATA) is not None  # it serves nothing now
 
 
 def test_a_data_plane_refusal_never_benches_a_stages_only_replica() -> None:
     # Nobody could take its traffic: benching it would stop the run for bench_s.
-    s = Suspects(bench_s=60.0)
+    s = Suspects(bench_s=60.0, verdicts=1)
     assert _report(s, "a", "y", set(), kind=DATA, sole=True) is None
     assert not s.is_benched("y", 100.0) and s.spared == 1
     # Once the stage has another serving replica, the next report benches.
@@ -63,7 +64,23 @@ def test_a_data_plane_refusal_never_benches_a_stages_only_replica() -> None:
 
 
 def test_bench_zero_reports_without_refusing() -> None:
-    s = Suspects(bench_s=0.0)
+    s = Suspects(bench_s=0.0, verdicts=1)
     assert _report(s, "a", "y", {"a", "b"}) is None
     assert _report(s, "b", "y", {"a", "b"}) is not None
     assert s.refusal("y", 100.0) is None
+
+
+def test_a_reduce_suspect_is_benched_at_its_second_majority_verdict_within_four_steps() -> None:
+    # An honest gradient fails a screen now and then (a loss spike, a small batch that looks
+    # like noise); a hostile replica fails at every reduce it is judged in.
+    s = Suspects(bench_s=60.0)
+    peers = {"a", "b"}
+    assert _report(s, "a", "x", peers, step=3) is None
+    assert _report(s, "b", "x", peers, step=3) is None  # a majority, but once
+    assert _report(s, "a", "x", peers, step=7) is None
+    assert _report(s, "b", "x", peers, step=7) is None  # step 3 is out of the window now
+    assert _report(s, "a", "x", peers, step=8) is None  # one voter is not a verdict
+    entry = _report(s, "b", "x", peers, step=8)
+    assert entry is not None and entry.step == 8 and s.is_benched("x", 100.0)
+    # A data-plane refusal still benches at once: it has only one witness anyway.
+    assert _report(s, "a", "y", peers, DATA) is not None

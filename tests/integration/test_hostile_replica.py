@@ -32,6 +32,9 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
 ) -> None:  # type: ignore[no-untyped-def]
     settings = [*tiny, "pipeline.stages=1", f"train.steps={STEPS}", "coordinator.min_nodes=3"]
     settings += ["checkpoint.every_steps=0", "pipeline.reduce_timeout_s=20"]
+    # Bench at the first verdict: the fastest replica leases most microbatches, and nx had
+    # traffic at one step of six in one run (the two-verdict rule is test_suspects.py's).
+    settings += ["robust.bench_verdicts=1"]
     coordinator = procs.coordinator(*settings)
     records = tmp_path / "records"
     env = {"SWARMPIPE_RECORD_REDUCE": str(records), "SWARMPIPE_HOSTILE": "nx=scale:1000"}
@@ -99,3 +102,45 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
     digests = {n.param_digest for n in honest_nodes.values()}
     assert all(n.last_step == STEPS - 1 for n in honest_nodes.values())
     assert digests == {replay.parameter_digest()}
+
+
+def test_a_replica_sending_noise_is_dropped_benched_and_the_honest_ones_stay_equal(
+    procs, tiny, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    settings = [*tiny, "pipeline.stages=1", "train.steps=12", "coordinator.min_nodes=3"]
+    settings += ["checkpoint.every_steps=0", "pipeline.reduce_timeout_s=20"]
+    settings += ["robust.direction_sigmas=3", "robust.bench_verdicts=1"]
+    # Eight microbatches a step, not four: the fastest replica leases what it can, and nx had
+    # traffic at one step of eight in one run and at none after step 0 (not judged) in another.
+    settings += ["train.microbatch=2"]
+    coordinator = procs.coordinator(*settings)
+    records = tmp_path / "records"
+    env = {"SWARMPIPE_RECORD_REDUCE": str(records), "SWARMPIPE_HOSTILE": "nx=noise"}
+    for name in ("n0", "n1", "nx"):
+        procs.node(name, coordinator, env=env)
+    channel = grpc.insecure_channel(coordinator)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        final = poll_until(
+            lambda: (s := stub.Status(coordinator_pb2.StatusRequest(), timeout=5)).done and s,
+            240,
+            "the run to finish",
+        )
+    finally:
+        channel.close()
+    # Benched for its direction, never an honest replica; each drop was reported.
+    assert [b.node_id for b in final.benched] == ["nx"]
+    bench = final.benched[0]
+    assert list(bench.reporters) == ["n0", "n1"] and "as unrelated" in bench.reason
+    assert final.reports >= 2
+    # Its noise was dropped at the step that benched it. Not at every step it had traffic: at
+    # step 0 with one replica idle nothing can tell which of two is noise.
+    dropped = [
+        step
+        for step in sorted(int(p.stem.split("-")[1]) for p in (records / "n0").glob("step-*.pt"))
+        if "nx" in torch.load(records / "n0" / f"step-{step}.pt")["rejected"]
+    ]
+    assert bench.step in dropped
+    honest = [n for n in final.nodes if n.node_id in ("n0", "n1")]
+    assert len({n.param_digest for n in honest}) == 1
+    assert all(n.last_step == 11 for n in honest)

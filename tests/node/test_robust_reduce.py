@@ -164,19 +164,57 @@ def test_noise_of_a_plausible_norm_fails_the_direction_screen_and_honest_ones_pa
     assert "x" in aggregate(flipped, per="tokens", direction_sigmas=3.0, **KW).clipped
 
 
-def test_two_contributions_with_traffic_pass_the_direction_screen_even_beside_momentum() -> None:
-    # With two, either could be the odd one: honest gradients of small batches come near
-    # orthogonal early in training, and the screen benched honest replicas that way.
+def _noise_like(c: Contribution, seed: int = 7) -> Contribution:
+    flat, tokens, samples = c
+    noise = torch.randn(flat.numel(), generator=torch.Generator().manual_seed(seed))
+    return noise * (flat.norm() / noise.norm()), tokens, samples
+
+
+def test_two_with_traffic_are_judged_only_beside_a_momentum_they_can_relate_to() -> None:
+    # One replica idle (4 microbatches among 3 replicas often leaves one so): the noise came
+    # into the plain sum of the other two at steps 0 and 1 of `bench hostile`.
     momentum = torch.linspace(-1, 1, 1000)  # the shared direction of the recent gradients
-    honest, idle = _honest(1), (torch.zeros(1000), 0, 0)
-    flat, tokens, samples = _honest(2)
-    noise = torch.randn(1000, generator=torch.Generator().manual_seed(7))
-    noise = noise * (flat.norm() / noise.norm())
-    pair = {"a": honest, "idle": idle, "x": (noise, tokens, samples)}
+    idle = (torch.zeros(1000), 0, 0)
+    pair = {"a": _honest(1), "idle": idle, "x": _noise_like(_honest(2))}
     kw = {"per": "tokens", "direction_sigmas": 3.0, **KW}
-    assert aggregate(pair, reference=momentum, **kw).rejected == {}  # type: ignore[arg-type]
-    assert aggregate(pair, **kw).rejected == {}  # type: ignore[arg-type]
-    # Three with traffic: the momentum is one more witness, and the noise is dropped.
-    trio = {**pair, "b": _honest(3)}
-    result = aggregate(trio, reference=momentum, **kw)  # type: ignore[arg-type]
+    result = aggregate(pair, reference=momentum, **kw)  # type: ignore[arg-type]
     assert set(result.rejected) == {"x"} and "gradient momentum" in result.rejected["x"]
+    assert result.accepted == ("a", "idle") and torch.equal(result.total[0], pair["a"][0])
+    # Without a momentum (step 0) either could be the odd one: nobody is judged.
+    assert aggregate(pair, **kw).rejected == {}  # type: ignore[arg-type]
+    # Two honest ones unrelated to each other and to the momentum (small batches of a sparse
+    # stage): no pair shows what relation looks like at this step, so nobody is dropped.
+    unrelated = {"a": _noise_like(_honest(1), 3), "b": _noise_like(_honest(2), 4)}
+    assert aggregate(unrelated, reference=momentum, **kw).rejected == {}  # type: ignore[arg-type]
+
+
+def test_three_vectors_all_unrelated_drop_nobody() -> None:
+    # The old screen dropped all three here: each was as unrelated to the others as noise.
+    trio = {n: _noise_like(_honest(i), 10 + i) for i, n in enumerate(("a", "b", "c"))}
+    assert screen(trio, per="tokens", norm_ratio=10, direction_sigmas=3.0) == {}
+    # Three with traffic and the momentum as a fourth witness: the noise is dropped.
+    momentum = torch.linspace(-1, 1, 1000)
+    mixed = {"a": _honest(1), "b": _honest(3), "x": _noise_like(_honest(2))}
+    result = aggregate(mixed, reference=momentum, per="tokens", direction_sigmas=3.0, **KW)
+    assert set(result.rejected) == {"x"} and "while the others relate" in result.rejected["x"]
+
+
+def test_a_lone_contribution_is_judged_by_its_magnitudes_against_the_second_moment() -> None:
+    # The fastest replica leases what it can, so a step's only traffic can be the hostile
+    # replica's: nothing to compare its direction with, but AdamW's second moment says which
+    # parameters have large gradients, and noise's magnitudes do not follow it.
+    g = torch.Generator().manual_seed(5)
+    scale = torch.cat([torch.full((500,), 1e-3), torch.full((500,), 1.0)])  # two "tensors"
+    profile = scale.square() * (0.5 + torch.rand(1000, generator=g))  # exp_avg_sq
+    honest = (scale * torch.randn(1000, generator=g) * 64, 64, 8)
+    idle = (torch.zeros(1000), 0, 0)
+    kw = {"per": "tokens", "direction_sigmas": 3.0, **KW}
+    alone = {"a": idle, "b": idle, "x": _noise_like(honest)}
+    result = aggregate(alone, profile=profile, **kw)  # type: ignore[arg-type]
+    assert set(result.rejected) == {"x"} and "second moment" in result.rejected["x"]
+    assert result.total[1] == 0  # the step applies nothing
+    fine = aggregate({"a": idle, "b": idle, "h": honest}, profile=profile, **kw)  # type: ignore[arg-type]
+    assert fine.rejected == {} and torch.equal(fine.total[0], torch.zeros(1000) + honest[0])
+    # Off with the screen, and before the optimizer has a second moment (step 0).
+    assert aggregate(alone, profile=profile, **{**kw, "direction_sigmas": 0.0}).rejected == {}  # type: ignore[arg-type]
+    assert aggregate(alone, profile=torch.zeros(1000), **kw).rejected == {}  # type: ignore[arg-type]
