@@ -112,7 +112,8 @@ def test_a_replica_sending_noise_is_dropped_benched_and_the_honest_ones_stay_equ
     settings += ["robust.direction_sigmas=3", "robust.bench_verdicts=1"]
     # Eight microbatches a step, not four: the fastest replica leases what it can, and nx had
     # traffic at one step of eight in one run and at none after step 0 (not judged) in another.
-    settings += ["train.microbatch=2"]
+    # And one in flight a head, so each of the three leases its share of every step.
+    settings += ["train.microbatch=2", "pipeline.in_flight=1"]
     coordinator = procs.coordinator(*settings)
     records = tmp_path / "records"
     env = {"SWARMPIPE_RECORD_REDUCE": str(records), "SWARMPIPE_HOSTILE": "nx=noise"}
