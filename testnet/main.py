@@ -719,6 +719,18 @@ def link_choices(status: coordinator_pb2.StatusReply, started: float) -> list[di
     ]
 
 
+def _busy_seconds(steps: list[dict[str, Any]]) -> float:
+    """Seconds during which some step trained: the union of the steps' open-to-last-commit
+    spans (their sum without train.step_overlap, where they never overlap)."""
+    spans = sorted((s["elapsed_s"] - s["seconds"], s["elapsed_s"]) for s in steps)
+    total, reached = 0.0, float("-inf")
+    for start, end in spans:
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
 def build_report(
     config: RunConfig,
     status: coordinator_pb2.StatusReply,
@@ -736,14 +748,23 @@ def build_report(
             "seconds": s.seconds,
             "samples_per_second": s.samples_per_second,
             "elapsed_s": s.elapsed_s,
+            # The parameters the step trained on, in optimizer steps applied: its own number,
+            # or one less for a step opened early (train.step_overlap).
+            "trains_on": s.trains_on,
         }
         for s in status.steps
     ]
     evals = [
-        {"step": e.step, "loss": e.loss, "tokens": e.tokens, "elapsed_s": e.elapsed_s}
+        {
+            "step": e.step,
+            "loss": e.loss,
+            "tokens": e.tokens,
+            "elapsed_s": e.elapsed_s,
+            "trains_on": e.trains_on,
+        }
         for e in status.evals
     ]
-    train_seconds = sum(s["seconds"] for s in steps)
+    train_seconds = _busy_seconds(steps)
     c = status.counters
     return {
         "format": "swarmpipe.testnet/1",

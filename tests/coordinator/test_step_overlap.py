@@ -1,0 +1,157 @@
+"""train.step_overlap in the step protocol: which step opens early, what each trains on."""
+
+from __future__ import annotations
+
+from swarmpipe.coordinator.step_protocol import Lease, Phase, StepProtocol
+
+
+def make(steps: int = 6, drain_every: int = 0, eval_every: int = 0) -> StepProtocol:
+    p = StepProtocol(
+        total_steps=steps,
+        global_batch=8,
+        microbatch=4,
+        lease_timeout_s=30.0,
+        eval_every=eval_every,
+        eval_samples=4 if eval_every else 0,
+        overlap=True,
+        drain_every=drain_every,
+        clock=lambda: 0.0,
+    )
+    p.start()
+    return p
+
+
+def lease_all(p: StepProtocol) -> list[Lease]:
+    leases = []
+    while (lease := p.lease("h")) is not None:
+        leases.append(lease)
+    return leases
+
+
+def commit(p: StepProtocol, leases: list[Lease]) -> None:
+    for x in leases:
+        assert p.commit("h", x.lease_id, 1.0, 4) is None
+
+
+def apply_everywhere(p: StepProtocol) -> None:
+    """The service's part at APPLY: name the nodes, let them acknowledge."""
+    assert p.phase is Phase.APPLY
+    p.await_acks({"a"})
+    assert p.ack("a", p.step)
+
+
+def test_the_next_step_opens_with_the_current_one_and_trains_one_version_behind() -> None:
+    p = make()
+    assert p.trains_on(0) == 0  # step 0 is a drain point
+    assert p.open_ahead(settled=True) and p.ahead == 1
+    assert p.trains_on(1) == 0
+    leases = lease_all(p)
+    # The current step's leases first, then the step ahead's.
+    assert [(x.step, x.sample_start) for x in leases] == [(0, 0), (0, 4), (1, 8), (1, 12)]
+    commit(p, leases[:2])
+    assert (p.phase, p.step) == (Phase.APPLY, 0)
+    apply_everywhere(p)
+    # Step 1 (opened ahead) is the current step now; step 2 may open, on step 1's version.
+    assert (p.phase, p.step, p.ahead) == (Phase.TRAINING, 1, None)
+    assert p.open_ahead(settled=True) and p.trains_on(2) == 1
+    commit(p, leases[2:])
+    assert p.phase is Phase.APPLY and p.step == 1
+    # While step 1 is applied, step 2 still leases.
+    assert [x.step for x in lease_all(p)] == [2, 2]
+
+
+def test_a_step_ahead_that_finished_first_is_applied_as_soon_as_it_is_current() -> None:
+    p = make()
+    p.open_ahead(settled=True)
+    leases = lease_all(p)
+    commit(p, leases[2:])  # step 1's samples come back before step 0's
+    assert p.phase is Phase.TRAINING and p.step == 0
+    commit(p, leases[:2])
+    p.await_acks({"a"})
+    assert p.ack("a", 0)
+    # Step 1 is all committed: it is in APPLY, and does not move on before its nodes are named.
+    assert (p.phase, p.step) == (Phase.APPLY, 1)
+    assert not p.acks_set and not p.try_advance()
+    apply_everywhere(p)
+    assert p.step == 2 and p.trains_on(2) == 2  # nothing was ahead: a drain point
+
+
+def test_drain_points_checkpoints_unsettled_swarm_the_last_step_and_a_restart() -> None:
+    p = make(steps=4, drain_every=2)
+    assert not p.open_ahead(settled=False)  # a node on its way in: no step opens early
+    assert p.open_ahead(settled=True)
+    commit(p, lease_all(p))
+    apply_everywhere(p)
+    # Step 2 is a checkpoint step: it opens only as the current step, on the newest version.
+    assert not p.open_ahead(settled=True)
+    apply_everywhere(p)
+    assert (p.step, p.trains_on(2)) == (2, 2)
+    assert p.open_ahead(settled=True) and p.ahead == 3
+    commit(p, lease_all(p))
+    apply_everywhere(p)
+    assert p.step == 3 and not p.open_ahead(settled=True)  # no step 4 to open
+    # After a restart nothing opens early until a step opened as a drain point.
+    q = make(steps=4)
+    q.restore(
+        step=1,
+        phase=Phase.TRAINING,
+        opened=True,
+        next_lease_id=1,
+        eval_pending=0,
+        awaiting=set(),
+        pending=[],
+        leases=[],
+    )
+    assert not q.open_ahead(settled=True)
+
+
+def test_a_joiner_is_sent_to_the_first_step_that_trains_on_what_it_downloads() -> None:
+    p = make()
+    assert p.target_step == 0
+    p.open_ahead(settled=True)
+    leases = lease_all(p)
+    commit(p, leases[:2])
+    apply_everywhere(p)  # step 1 is current and trains on version 0
+    assert p.target_step == 2
+    p.open_ahead(settled=True)
+    assert p.target_step == 3  # step 2 is open ahead too, on version 1
+    commit(p, leases[2:])
+    assert p.phase is Phase.APPLY and p.target_step == 3
+
+
+def test_redo_as_drain_starts_the_current_step_again_on_the_newest_parameters() -> None:
+    p = make()
+    p.open_ahead(settled=True)
+    leases = lease_all(p)
+    commit(p, leases[:2])
+    apply_everywhere(p)
+    p.open_ahead(settled=True)
+    step1 = leases[2]
+    commit(p, [step1])
+    committed = p.counters.committed
+    assert p.redo_as_drain()
+    assert (p.step, p.trains_on(1), p.ahead) == (1, 1, None)
+    assert p.counters.committed == committed - 4
+    # The late commit of a lease of the old version is refused; its samples lease again.
+    assert p.commit("h", leases[3].lease_id, 1.0, 4) is not None
+    again = lease_all(p)
+    assert [(x.step, x.sample_start, x.replay) for x in again] == [(1, 8, True), (1, 12, True)]
+    assert not p.redo_as_drain()  # already on the newest parameters
+
+
+def test_evaluation_of_a_step_opened_ahead_measures_the_version_it_trains_on() -> None:
+    p = make(eval_every=1)
+    p.open_ahead(settled=True)
+    leases = lease_all(p)
+    evals = [x for x in leases if x.eval]
+    assert [x.step for x in evals] == [0, 1]
+    assert p.trains_on(1) == 0
+    commit(p, leases)
+    assert p.stats_of(1) is not None and p.stats_of(1).eval_finished_at is not None  # type: ignore[union-attr]
+
+
+def test_without_overlap_no_step_opens_early() -> None:
+    p = StepProtocol(total_steps=3, global_batch=8, microbatch=4, lease_timeout_s=30.0)
+    p.start()
+    assert not p.open_ahead(settled=True)
+    assert p.trains_on(0) == 0 and p.ahead is None
