@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from swarmpipe.coordinator.step_protocol import Lease, Phase, StepProtocol
+from swarmpipe.protos import control_pb2, coordinator_pb2
+from tests.coordinator.test_apply_bound import NODES, Swarm
 
 
 def make(steps: int = 6, drain_every: int = 0, eval_every: int = 0) -> StepProtocol:
@@ -155,3 +159,51 @@ def test_without_overlap_no_step_opens_early() -> None:
     p.start()
     assert not p.open_ahead(settled=True)
     assert p.trains_on(0) == 0 and p.ahead is None
+
+
+async def test_a_joiner_enters_only_at_a_step_on_the_newest_parameters(tmp_path: Path) -> None:
+    # The coordinator in-process (test_apply_bound's harness), train.step_overlap on.
+    swarm = Swarm(tmp_path, "train.step_overlap=true")
+    service = swarm.service
+    p = service.protocol
+    await swarm.start()
+    assert (p.step, p.ahead, p.trains_on(1)) == (0, 1, 0)  # settled: step 1 opened early
+    state = control_pb2.StepState.FromString(
+        next(x for t, x in reversed(swarm.broker.published) if t == service.topics.step)
+    )
+    assert (state.step, state.ahead, state.trains_on) == (0, 1, 0)
+    head = next(n for n in NODES if service.membership.members[n].stage == 0)
+    leases = []
+    while True:
+        reply = await service.Lease(
+            coordinator_pb2.LeaseRequest(node_id=head, wait_seconds=0), swarm.ctx(head)
+        )
+        if reply.status != reply.STATUS_GRANTED:
+            break
+        leases.append(reply)
+    assert {(x.step, x.trains_on) for x in leases} == {(0, 0), (1, 0)}
+
+    # A fifth node joins: until it serves, no step opens early.
+    await swarm.join("n4")
+    await swarm.presence("n4", True)
+    for x in leases:
+        commit = coordinator_pb2.CommitRequest(
+            node_id=head, lease_id=x.lease_id, loss_sum=1.0, tokens=4
+        )
+        assert (await service.Commit(commit, swarm.ctx(head))).accepted
+    assert (p.phase, p.step) == (Phase.APPLY, 0)
+    info = await service.SyncInfo(coordinator_pb2.SyncInfoRequest(node_id="n4"), swarm.ctx("n4"))
+    # Step 1 trains on version 0 and step 2 does not exist yet: n4 fetches the state of 2.
+    assert info.target == 2
+    reply = await swarm.ready("n4", 2)
+    assert reply.status == reply.STATUS_WAIT
+    for node in NODES:
+        await swarm.step_done(node, 0)
+    # Step 1 was all committed: it is applied at once, and nothing opened ahead of it.
+    assert (p.phase, p.step, p.ahead) == (Phase.APPLY, 1, None)
+    for node in NODES:
+        await swarm.step_done(node, 1)
+    # Step 2 opened as a drain point, with n4 in the plan; with it serving, step 3 opens early.
+    assert (p.step, p.trains_on(2)) == (2, 2)
+    assert service.membership.members["n4"].serving
+    assert (p.ahead, p.trains_on(3)) == (3, 2)
