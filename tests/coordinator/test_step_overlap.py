@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from swarmpipe.config import load_config
+from swarmpipe.coordinator.membership import Membership
+from swarmpipe.coordinator.state_db import Extras, StateDB
 from swarmpipe.coordinator.step_protocol import Lease, Phase, StepProtocol
 from swarmpipe.protos import control_pb2, coordinator_pb2
 from tests.coordinator.test_apply_bound import NODES, Swarm
@@ -207,3 +210,32 @@ async def test_a_joiner_enters_only_at_a_step_on_the_newest_parameters(tmp_path:
     assert (p.step, p.trains_on(2)) == (2, 2)
     assert service.membership.members["n4"].serving
     assert (p.ahead, p.trains_on(3)) == (3, 2)
+
+
+def test_a_restarted_coordinator_keeps_the_step_open_ahead(tmp_path: Path) -> None:
+    p = make(eval_every=1)
+    p.open_ahead(settled=True)
+    leases = lease_all(p)
+    commit(p, [x for x in leases if x.step == 0])  # step 0 in APPLY, step 1's leases out
+    p.await_acks({"a"})
+    first_of_step1 = next(x for x in leases if x.step == 1 and not x.eval)
+    assert p.release("h", first_of_step1.lease_id)
+    members = Membership(num_stages=2, activation_codec=1, gradient_codec=1)
+    db = StateDB.create(tmp_path / "c.sqlite", load_config(None, []))
+    db.save(p, members, Extras())
+    db.close()
+
+    again = make(eval_every=1)
+    again.phase, again._opened = Phase.WAITING, False  # a fresh coordinator, not started
+    again.history.clear()
+    StateDB.open(tmp_path / "c.sqlite").load(again, Membership(2, 1, 1))
+    assert (again.phase, again.step, again.ahead) == (Phase.APPLY, 0, 1)
+    assert [again.trains_on(s) for s in (0, 1)] == [0, 0]
+    assert [(r.step, r.start) for r in again.pending_ranges()] == [(1, 8)]
+    # The heads' open leases of step 1 still commit; step 1 ends once they and the replay do.
+    assert again.ack("a", 0) and (again.phase, again.step) == (Phase.TRAINING, 1)
+    commit(again, [x for x in leases if x.step == 1 and x is not first_of_step1])
+    commit(again, lease_all(again))
+    assert again.phase is Phase.APPLY and again.current.eval_finished_at is not None
+    # The first step opened after the restart is a drain point.
+    assert not again.open_ahead(settled=True)
