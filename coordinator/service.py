@@ -424,12 +424,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for order in self.membership.second_replicas(time.monotonic()):
                 await self._moved(order)
         ahead_before = p.ahead
-        if p.overlap and not self.membership.covered() and p.redo_as_drain():
-            logger.warning(
-                "step %d: a stage has no live node; the step starts again on the newest "
-                "parameters, so the node that takes the stage over can serve it",
-                p.step,
-            )
         while p.phase is Phase.APPLY:
             if not p.acks_set:
                 # The step just ended: every live node must apply it before the next opens.
@@ -438,6 +432,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._wake_when_holds_expire()
                 break
             await self._step_opened()
+        if p.overlap and not self.membership.covered() and p.redo_as_drain():
+            # (After the APPLY above: the step that just became current may be one opened
+            # early.)
+            logger.warning(
+                "step %d: a stage has no live node; the step starts again on the newest "
+                "parameters, so the node that takes the stage over can serve it",
+                p.step,
+            )
         if p.open_ahead(settled=self._settled()):
             logger.info("step %d opens early, on step %d's parameters", p.step + 1, p.step)
         if (p.phase, p.step, p.ahead) != (*before, ahead_before):
