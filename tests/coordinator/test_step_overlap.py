@@ -239,3 +239,39 @@ def test_a_restarted_coordinator_keeps_the_step_open_ahead(tmp_path: Path) -> No
     assert again.phase is Phase.APPLY and again.current.eval_finished_at is not None
     # The first step opened after the restart is a drain point.
     assert not again.open_ahead(settled=True)
+
+
+async def test_a_stage_left_without_replicas_restarts_an_overlapped_step(tmp_path: Path) -> None:
+    swarm = Swarm(tmp_path, "train.step_overlap=true")
+    service = swarm.service
+    p = service.protocol
+    await swarm.start()
+    head = next(n for n in NODES if service.membership.members[n].stage == 0)
+
+    async def lease() -> coordinator_pb2.LeaseReply:
+        request = coordinator_pb2.LeaseRequest(node_id=head, wait_seconds=0)
+        reply: coordinator_pb2.LeaseReply = await service.Lease(request, swarm.ctx(head))
+        return reply
+
+    leases = [await lease() for _ in range(8)]
+    for x in leases:
+        if x.step == 0:
+            commit = coordinator_pb2.CommitRequest(
+                node_id=head, lease_id=x.lease_id, loss_sum=1.0, tokens=4
+            )
+            assert (await service.Commit(commit, swarm.ctx(head))).accepted
+    for node in NODES:
+        await swarm.step_done(node, 0)
+    # Step 1 (opened early, on version 0) is current and step 2 is ahead.
+    assert (p.phase, p.step, p.trains_on(1), p.ahead) == (Phase.TRAINING, 1, 0, 2)
+    for node in NODES:
+        if service.membership.members[node].stage == 1:
+            await swarm.presence(node, False)
+    # Stage 1's newcomer will hold version 1 only: step 1 starts again on it.
+    assert (p.step, p.trains_on(1), p.ahead) == (1, 1, None)
+    late = next(x for x in leases if x.step == 1)
+    commit = coordinator_pb2.CommitRequest(
+        node_id=head, lease_id=late.lease_id, loss_sum=1.0, tokens=4
+    )
+    assert not (await service.Commit(commit, swarm.ctx(head))).accepted
+    assert p.target_step == 1
