@@ -34,7 +34,7 @@ from swarmpipe.control import link_control
 from swarmpipe.control.bus import BrokerAddress, parse_broker_url
 from swarmpipe.control.status_view import sample_counters
 from swarmpipe.coordinator.admission import load_or_create_admin_token
-from swarmpipe.coordinator.summary import summary_lines
+from swarmpipe.coordinator.summary import busy_seconds, summary_lines
 from swarmpipe.coordinator.tokens import TokenStore
 from swarmpipe.errors import ConfigError, SwarmpipeError
 from swarmpipe.node.main import TOKEN_ENV
@@ -719,18 +719,6 @@ def link_choices(status: coordinator_pb2.StatusReply, started: float) -> list[di
     ]
 
 
-def _busy_seconds(steps: list[dict[str, Any]]) -> float:
-    """Seconds during which some step trained: the union of the steps' open-to-last-commit
-    spans (their sum without train.step_overlap, where they never overlap)."""
-    spans = sorted((s["elapsed_s"] - s["seconds"], s["elapsed_s"]) for s in steps)
-    total, reached = 0.0, float("-inf")
-    for start, end in spans:
-        if end > reached:
-            total += end - max(start, reached)
-            reached = end
-    return total
-
-
 def build_report(
     config: RunConfig,
     status: coordinator_pb2.StatusReply,
@@ -764,7 +752,7 @@ def build_report(
         }
         for e in status.evals
     ]
-    train_seconds = _busy_seconds(steps)
+    train_seconds = busy_seconds((s["elapsed_s"] - s["seconds"], s["elapsed_s"]) for s in steps)
     c = status.counters
     return {
         "format": "swarmpipe.testnet/1",
