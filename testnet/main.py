@@ -674,7 +674,8 @@ def progress_line(status: coordinator_pb2.StatusReply, bytes_per_second: float) 
     if status.steps:
         last = status.steps[-1]
         recent = status.steps[-5:]
-        sps = sum(s.samples for s in recent) / max(sum(s.seconds for s in recent), 1e-9)
+        busy = busy_seconds((s.elapsed_s - s.seconds, s.elapsed_s) for s in recent)
+        sps = sum(s.samples for s in recent) / max(busy, 1e-9)
         loss = f"loss {last.loss:.4f}"
     else:
         sps, loss = 0.0, "loss -"
