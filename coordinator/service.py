@@ -461,7 +461,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # Revocations are read at every step boundary too (not only each second), so a
         # revoked node takes part in no step after the one its token was revoked in.
         await self._apply_revocations()
-        promoted = self.membership.promote(self.protocol.step)
+        p = self.protocol
+        if p.trains_on(p.step) != p.step:
+            # Opened early (train.step_overlap): it trains on parameters older than the state
+            # a joiner holds for it. Ready never names such a step, but a joiner that went
+            # offline and came back meanwhile may still wait for it: it fetches again.
+            for m in self.membership.members.values():
+                if m.ready_step == p.step and not m.serving:
+                    m.ready_step = -1
+        promoted = self.membership.promote(p.step)
         for m in promoted:
             logger.info(
                 "node %s serves stage %d from step %d", m.node_id, m.stage, self.protocol.step

@@ -275,3 +275,39 @@ async def test_a_stage_left_without_replicas_restarts_an_overlapped_step(tmp_pat
     )
     assert not (await service.Commit(commit, swarm.ctx(head))).accepted
     assert p.target_step == 1
+
+
+async def test_a_joiner_that_was_away_is_not_promoted_into_a_step_opened_early(
+    tmp_path: Path,
+) -> None:
+    swarm = Swarm(tmp_path, "train.step_overlap=true")
+    service = swarm.service
+    p = service.protocol
+    await swarm.start()
+    await swarm.join("n4")
+    await swarm.presence("n4", True)
+    await swarm.train_step()  # step 0 and the step ahead's leases all committed
+    assert (p.phase, p.step, p.target_step) == (Phase.APPLY, 0, 2)
+    assert (await swarm.ready("n4", 2)).status == coordinator_pb2.ReadyReply.STATUS_WAIT
+    await swarm.presence("n4", False)  # away: the swarm is settled without it
+    for node in NODES:
+        await swarm.step_done(node, 0)
+    assert (p.step, p.ahead, p.trains_on(2)) == (1, 2, 1)
+    await swarm.presence("n4", True)
+    head = next(n for n in NODES if service.membership.members[n].stage == 0)
+    while p.phase is not Phase.APPLY:
+        x = await service.Lease(
+            coordinator_pb2.LeaseRequest(node_id=head, wait_seconds=0), swarm.ctx(head)
+        )
+        assert x.status == x.STATUS_GRANTED
+        commit = coordinator_pb2.CommitRequest(
+            node_id=head, lease_id=x.lease_id, loss_sum=1.0, tokens=4
+        )
+        assert (await service.Commit(commit, swarm.ctx(head))).accepted
+    for node in NODES:
+        await swarm.step_done(node, 1)
+    # Step 2 trains on version 1; n4 holds version 2: it is not let in (its wait ended when
+    # it went offline, and the step opened early meanwhile), and fetches again.
+    member = service.membership.members["n4"]
+    assert p.step == 2 and not member.serving and member.ready_step == -1
+    assert (await swarm.ready("n4", 2)).status == coordinator_pb2.ReadyReply.STATUS_STALE
