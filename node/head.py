@@ -286,15 +286,22 @@ class Head:
         leased_at = time.monotonic()
         trains_on = int(lease.trains_on) if lease.HasField("trains_on") else int(lease.step)
         with d.status.track_microbatch():
+            try:
+                if runtime.is_last:
+                    last = await d.compute.run(
+                        FORWARD,
+                        lambda: runtime.evaluate_last(tokens, labels, trains_on=trains_on),
+                    )
+                else:
+                    output = await d.compute.run(
+                        FORWARD, lambda: runtime.forward_eval(tokens, trains_on=trains_on)
+                    )
+            except PeerError as exc:  # a lease that outlived its step's parameters
+                await self._release(lease, str(exc))
+                return
             if runtime.is_last:
-                last = await d.compute.run(
-                    FORWARD, lambda: runtime.evaluate_last(tokens, labels, trains_on=trains_on)
-                )
                 loss_sum, n_tokens = last.loss_sum, last.tokens
             else:
-                output = await d.compute.run(
-                    FORWARD, lambda: runtime.forward_eval(tokens, trains_on=trains_on)
-                )
                 header = self._header(lease, microbatch_id, tokens, labels)
                 hop = await self._send_with_retries(header, output, leased_at=leased_at)
                 if hop is None:
