@@ -229,6 +229,14 @@ class TrainConfig:
     precision: str = "fp32"
     """"fp32", or "bf16": forward and backward under bfloat16 autocast (CPU and CUDA) with
     fp32 parameters, gradients and AdamW state, so only the matmuls lose precision."""
+    step_overlap: bool = False
+    """Open step s+1 while step s still trains or reduces, once step s-1 is applied
+    everywhere (a one-step gradient delay, as PipeDream-2BW): step s+1's every microbatch
+    then trains on the parameters after step s-1, and its gradient is applied to the
+    parameters after step s. Steps after a change of membership, at checkpoints, the first
+    and after a coordinator restart train on the newest parameters, as without it.
+    report.json records what each step trained on (`trains_on`). Off: every step trains on
+    the parameters of the step before, and the pipeline drains at every step."""
     device: str = "auto"
     """Where each node's stage trains unless its `swarmpipe node --device` says otherwise:
     "auto" (the CUDA GPU with the least memory in use, else the CPU), "cpu", "cuda" (the
@@ -647,6 +655,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.run_id or any(c in self.run_id for c in "/#+ "):
             raise ConfigError(f"run_id={self.run_id!r} must be non-empty without '/', '#', '+'")
+        if self.train.step_overlap and self.pipeline.sync != "every_step":
+            raise ConfigError(
+                'train.step_overlap needs pipeline.sync = "every_step": DiLoCo\'s rounds '
+                "already leave the replicas apart between averages"
+            )
         n_layers = self.model.n_layers + 2  # embedding and head count as layers
         if self.pipeline.stages > n_layers:
             raise ConfigError(

@@ -16,8 +16,14 @@ Three comparisons, each side by side in this one invocation (issue 23):
 - `far`: every link at 100 Mbit/s and 50 ms one way: samples/s over the same run without
   the delay (target 0.90), in_flight auto beside a fixed 2.
 
-Samples/s here are over whole step cycles, boundaries included: the samples of steps 1 to
-n-2 over the time from step 1's opening to step n-1's (step 0 pays for start-up). The
+`slow` and `far` also run each auto setting with `train.step_overlap = true` (a one-step
+gradient delay: the next step's first microbatches fill the pipeline while the last ones
+drain; docs/design.md "Overlapping steps"), beside the synchronous runs, and give the same
+ratios for it (`*_overlap`). `--quick` leaves out the fixed-window and 2-sample runs.
+
+Samples/s here are over whole step cycles, boundaries included: the samples of steps 2 to
+n-1 over the time from step 1's last commit to step n-1's (step 0 pays for start-up). Ends,
+not openings: under overlap a step opens while the one before still trains. The
 report's `time_breakdown` of each limited run says where the rest went; its summary is
 printed beside each figure.
 """
@@ -37,6 +43,7 @@ from swarmpipe.testnet.time_breakdown import link_utilisation
 PARTS = ("compute", "slow", "far")
 COMPUTE_MODEL = ["model.n_layers=6", "model.d_model=256", "model.n_heads=4"]
 LOSSLESS = ["pipeline.activation_codec=lossless", "pipeline.gradient_codec=lossless"]
+OVERLAP = "train.step_overlap=true"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,18 +62,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="repeat the far part's four runs, alternating their order; samples/s are means",
     )
     add_config_arguments(parser, with_file=False)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the auto window, synchronous and overlapped (no fixed_2, no 2-sample runs)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--out", help="write the JSON here too")
 
 
 def cycle_samples_per_second(report: dict[str, Any]) -> float:
-    """Samples over whole step cycles (boundaries included), step 0 left out."""
+    """Samples over whole step cycles (boundaries included), step 0 left out: from one
+    step's last commit to a later one's."""
     steps = report["steps"]
     if len(steps) < 3:
         raise SystemExit("bench latency needs at least 3 steps per testnet (--steps)")
-    opened = [s["elapsed_s"] - s["seconds"] for s in steps]
-    samples = sum(s["samples"] for s in steps[1:-1])
-    return float(samples / (opened[-1] - opened[1]))
+    ended = [s["elapsed_s"] for s in steps]
+    samples = sum(s["samples"] for s in steps[2:])
+    return float(samples / (ended[-1] - ended[1]))
 
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +105,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
             / sum(s["seconds"] for s in report["steps"][1:])
         ),
         "in_flight": report.get("in_flight", {}),
+        "overlapped_steps": sum(
+            1 for s in report["steps"] if s.get("trains_on", s["step"]) < s["step"]
+        ),
         "final_loss": report["final_loss"],
         "lost": report["counters"]["lost"],
         "coordinator": coordinator,
@@ -147,11 +163,13 @@ def serve(args: argparse.Namespace) -> int:
     if "slow" in parts:
         limit = ("--link-mbit", f"{args.slow_mbit:g}")
         slow: dict[str, Any] = {"link_mbit": args.slow_mbit, "target": 0.90}
-        for name, settings in [
+        slow_runs = [
             ("auto", ["pipeline.in_flight=auto"]),
+            ("auto_overlap", ["pipeline.in_flight=auto", OVERLAP]),
             ("fixed_2", ["pipeline.in_flight=2"]),
             ("auto_microbatch_2", ["pipeline.in_flight=auto", "train.microbatch=2"]),
-        ]:
+        ]
+        for name, settings in slow_runs[:2] if args.quick else slow_runs:
             report = testnet([*LOSSLESS, *settings], *limit, what=f"slow {name}")
             run = summary(report)
             run["link_bound_samples_per_second"] = _link_bound(report, args.slow_mbit)
@@ -169,11 +187,16 @@ def serve(args: argparse.Namespace) -> int:
             "target": 0.90,
             "rounds": args.rounds,
         }
+        kinds = ["auto", "auto_overlap"] + ([] if args.quick else ["fixed_2"])
+        window = {
+            "auto": ["pipeline.in_flight=auto"],
+            "auto_overlap": ["pipeline.in_flight=auto", OVERLAP],
+            "fixed_2": ["pipeline.in_flight=2"],
+        }
         runs = [
-            ("near_auto", ["pipeline.in_flight=auto"], limit),
-            ("far_auto", ["pipeline.in_flight=auto"], (*limit, *delay)),
-            ("near_fixed_2", ["pipeline.in_flight=2"], limit),
-            ("far_fixed_2", ["pipeline.in_flight=2"], (*limit, *delay)),
+            (f"{where}_{kind}", window[kind], flags)
+            for kind in kinds
+            for where, flags in (("near", limit), ("far", (*limit, *delay)))
         ]
         per_round: dict[str, list[float]] = {name: [] for name, _, _ in runs}
         for round_index in range(args.rounds):
@@ -185,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
         for name, values in per_round.items():
             far[name]["samples_per_second_per_round"] = values
             far[name]["samples_per_second"] = sum(values) / len(values)
-        for kind in ("auto", "fixed_2"):
+        for kind in kinds:
             far[f"{kind}_far_over_near"] = (
                 far[f"far_{kind}"]["samples_per_second"] / far[f"near_{kind}"]["samples_per_second"]
             )
@@ -193,8 +216,12 @@ def serve(args: argparse.Namespace) -> int:
                 f / n
                 for f, n in zip(per_round[f"far_{kind}"], per_round[f"near_{kind}"], strict=True)
             ]
-        far["far_fixed_2_over_near_auto"] = (
-            far["far_fixed_2"]["samples_per_second"] / far["near_auto"]["samples_per_second"]
+        if "fixed_2" in kinds:
+            far["far_fixed_2_over_near_auto"] = (
+                far["far_fixed_2"]["samples_per_second"] / far["near_auto"]["samples_per_second"]
+            )
+        far["far_auto_overlap_over_near_auto"] = (
+            far["far_auto_overlap"]["samples_per_second"] / far["near_auto"]["samples_per_second"]
         )
         result["far"] = far
     text = json.dumps(result, indent=2)

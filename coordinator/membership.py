@@ -206,6 +206,13 @@ class Membership:
         """Every stage has at least one live replica."""
         return {m.stage for m in self.live()} == set(range(self.num_stages))
 
+    def settled(self, now: float) -> bool:
+        """Every stage has a live replica and no node is on its way into a stage (joined,
+        moved or re-syncing, fetching its state): train.step_overlap opens steps early only
+        then (coordinator/step_protocol.py)."""
+        coming = any(not m.serving and self._holds_stage(m, now) for m in self.members.values())
+        return self.covered() and not coming
+
     def _coming(self, stage: int, now: float) -> bool:
         """A node is on its way to `stage`: joined or moved there, online (or not announced
         yet, within JOIN_GRACE_S) and fetching its state."""

@@ -131,6 +131,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             lease_timeout_s=config.coordinator.lease_timeout_s,
             eval_every=config.train.eval_every,
             eval_samples=config.train.eval_samples,
+            overlap=config.train.step_overlap,
+            # A checkpoint holds the parameters its step trains on only at a drain point,
+            # so a run resumed from it takes the same steps as one never stopped.
+            drain_every=config.checkpoint.every_steps,
             step=resume_at,  # the first step to open (a resumed run's last complete step)
         )
         self.started_at = time.monotonic()
@@ -261,7 +265,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def _publish_step(self) -> None:
         p = self.protocol
         state = control_pb2.StepState(
-            step=p.step, phase=_PHASES[p.phase], samples=p.current.samples if p.history else 0
+            step=p.step,
+            phase=_PHASES[p.phase],
+            samples=p.current.samples if p.history else 0,
+            trains_on=p.trains_on(p.step),
+            ahead=p.ahead or 0,
         )
         if p.phase is Phase.SAVING:
             self._choose_savers()
@@ -417,27 +425,53 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await self._heal()
             for order in self.membership.second_replicas(time.monotonic()):
                 await self._moved(order)
-        if p.phase is Phase.APPLY:
-            if before[0] is not Phase.APPLY:
+        ahead_before = p.ahead
+        while p.phase is Phase.APPLY:
+            if not p.acks_set:
                 # The step just ended: every live node must apply it before the next opens.
                 p.await_acks({m.node_id for m in self.membership.live()})
-            if p.try_advance():
-                await self._step_opened()
-            else:
+            if not p.try_advance():
                 self._wake_when_holds_expire()
-        if (p.phase, p.step) != before:
+                break
+            await self._step_opened()
+        if p.overlap and not self.membership.covered() and p.redo_as_drain():
+            # (After the APPLY above: the step that just became current may be one opened
+            # early.)
+            logger.warning(
+                "step %d: a stage has no live node; the step starts again on the newest "
+                "parameters, so the node that takes the stage over can serve it",
+                p.step,
+            )
+        if p.open_ahead(settled=self._settled()):
+            logger.info("step %d opens early, on step %d's parameters", p.step + 1, p.step)
+        if (p.phase, p.step, p.ahead) != (*before, ahead_before):
             logger.info("step %d: %s", p.step, p.phase.value)
             await self._publish_step()
         elif p.phase is Phase.SAVING and self._choose_savers():
             await self._publish_step()  # a replica asked to save left: ask another
         self._notify()
 
+    def _settled(self) -> bool:
+        """Whether a step may open early (train.step_overlap): every stage served and no
+        node on its way into a stage, so no node needs to enter the plan at a step that
+        trains on parameters older than the state it downloads, and no joiner holds the
+        boundary."""
+        return self.membership.settled(time.monotonic()) and self.protocol.held() is None
+
     async def _step_opened(self) -> None:
         """A step opened: joiners holding its state serve from now on, in the plan first."""
         # Revocations are read at every step boundary too (not only each second), so a
         # revoked node takes part in no step after the one its token was revoked in.
         await self._apply_revocations()
-        promoted = self.membership.promote(self.protocol.step)
+        p = self.protocol
+        if p.trains_on(p.step) != p.step:
+            # Opened early (train.step_overlap): it trains on parameters older than the state
+            # a joiner holds for it. Ready never names such a step, but a joiner that went
+            # offline and came back meanwhile may still wait for it: it fetches again.
+            for m in self.membership.members.values():
+                if m.ready_step == p.step and not m.serving:
+                    m.ready_step = -1
+        promoted = self.membership.promote(p.step)
         for m in promoted:
             logger.info(
                 "node %s serves stage %d from step %d", m.node_id, m.stage, self.protocol.step
@@ -662,6 +696,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     sample_count=lease.sample_count,
                     replay=lease.replay,
                     eval=lease.eval,
+                    trains_on=self.protocol.trains_on(lease.step),
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -702,11 +737,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         member = self.membership.members.get(request.node_id)
         if member is not None and member.serving and request.param_digest:
             member.last_step, member.param_digest = request.step, request.param_digest
+        before = (self.protocol.phase, self.protocol.step)
         if self.protocol.ack(request.node_id, request.step):
             logger.info("step %d applied on every node", request.step)
             await self._step_opened()
-            await self._publish_step()
-            self._notify()
+            # The step that opened may be one opened early whose leases are all in: its
+            # APPLY starts now (_after_change names its nodes and publishes).
+            await self._after_change(before)
         else:
             self._persist()
             if self.protocol.phase is Phase.APPLY and not self.protocol.awaiting:
@@ -850,6 +887,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         p = self.protocol
         return coordinator_pb2.SyncInfoReply(
             step=p.step,
+            target=p.target_step,
             applying=p.phase is Phase.APPLY,
             done=p.phase is Phase.DONE,
             replicas=[
@@ -890,10 +928,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     p.target_step,
                 )
                 return Reply(status=Reply.STATUS_STALE, step=p.step, applying=applying)
-            pending = applying and member.ready_step == step
+            pending = member.ready_step == step
             if member.online and not pending:  # its Last Will is armed: losing it is noticed
                 member.last_step = step - 1
-                if applying:
+                if applying or step != p.step:
+                    # A step to come (the next while this one is applied; with
+                    # train.step_overlap, the first that trains on the newest parameters).
                     # Promoted when `step` opens (_step_opened); the boundary need not wait.
                     member.ready_step = step
                     p.drop_hold(member.node_id)
@@ -1075,6 +1115,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                         loss=s.eval_loss,
                         tokens=s.eval_tokens,
                         elapsed_s=s.eval_finished_at - run_start,
+                        trains_on=p.trains_on(s.step),
                     )
                 )
             if s.finished_at is None or s.step >= p.total_steps:
@@ -1087,6 +1128,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     seconds=s.seconds,
                     samples_per_second=s.samples / s.seconds if s.seconds > 0 else 0.0,
                     elapsed_s=s.finished_at - run_start,
+                    trains_on=p.trains_on(s.step),
                 )
             )
         for m in sorted(self.membership.members.values(), key=lambda m: m.node_id):

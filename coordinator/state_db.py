@@ -42,7 +42,7 @@ from swarmpipe.coordinator.step_protocol import (
 from swarmpipe.errors import ConfigError
 
 DB_FILE = "coordinator.sqlite"
-FORMAT = "swarmpipe.coordinator-state/1"
+FORMAT = "swarmpipe.coordinator-state/2"
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -53,11 +53,12 @@ CREATE TABLE protocol (
     leased INTEGER NOT NULL, committed INTEGER NOT NULL, replayed INTEGER NOT NULL,
     duplicates INTEGER NOT NULL, lost INTEGER NOT NULL,
     awaiting TEXT NOT NULL, joins INTEGER NOT NULL, departures INTEGER NOT NULL,
-    plan_version INTEGER NOT NULL, plan BLOB, final_states TEXT NOT NULL
+    plan_version INTEGER NOT NULL, plan BLOB, final_states TEXT NOT NULL,
+    ahead INTEGER NOT NULL
 );
 CREATE TABLE pending (
     pos INTEGER PRIMARY KEY, sample_start INTEGER NOT NULL, sample_count INTEGER NOT NULL,
-    replay INTEGER NOT NULL, eval INTEGER NOT NULL
+    replay INTEGER NOT NULL, eval INTEGER NOT NULL, step INTEGER NOT NULL
 );
 CREATE TABLE leases (
     lease_id INTEGER PRIMARY KEY, step INTEGER NOT NULL, node_id TEXT NOT NULL,
@@ -68,7 +69,7 @@ CREATE TABLE history (
     step INTEGER PRIMARY KEY, started_s REAL NOT NULL, finished_s REAL,
     samples INTEGER NOT NULL, loss_sum REAL, tokens INTEGER NOT NULL,
     eval_loss_sum REAL, eval_tokens INTEGER NOT NULL, eval_leases INTEGER NOT NULL,
-    eval_finished_s REAL
+    eval_finished_s REAL, trains_on INTEGER NOT NULL, eval_left INTEGER NOT NULL
 );
 CREATE TABLE members (
     node_id TEXT PRIMARY KEY, address TEXT NOT NULL, stage INTEGER NOT NULL,
@@ -260,7 +261,7 @@ class StateDB:
                 conn.execute("INSERT INTO meta VALUES ('wall_start', ?)", (repr(wall_start),))
             conn.execute(
                 "INSERT OR REPLACE INTO protocol VALUES "
-                "(1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "(1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     p.step,
                     p.phase.value,
@@ -278,18 +279,20 @@ class StateDB:
                     membership.plan_version,
                     extras.plan,
                     json.dumps({str(k): v for k, v in extras.final_states.items()}),
+                    int(p.ahead is not None),
                 ),
             )
             conn.execute("DELETE FROM pending")
             conn.executemany(
-                "INSERT INTO pending VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO pending VALUES (?, ?, ?, ?, ?, ?)",
                 [
-                    (i, r.start, r.count, int(r.replay), int(r.eval))
+                    (i, r.start, r.count, int(r.replay), int(r.eval), r.step)
                     for i, r in enumerate(p.pending_ranges())
                 ],
             )
-            # The leases of the step before too: its last commit may have ended it.
-            for step in {max(p.step - 1, 0), p.step}:
+            # The leases of the step before too (its last commit may have ended it), and of
+            # the step open ahead (train.step_overlap).
+            for step in {max(p.step - 1, 0), p.step, p.step + 1}:
                 conn.executemany(
                     "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [
@@ -363,7 +366,7 @@ class StateDB:
 
         rows = [s for s in p.history if s.step >= self._history_from]
         self._conn.executemany(
-            "INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     s.step,
@@ -376,13 +379,18 @@ class StateDB:
                     s.eval_tokens,
                     s.eval_leases,
                     rel(s.eval_finished_at),
+                    s.trains_on,
+                    s.eval_left,
                 )
                 for s in rows
             ],
         )
-        # Every step but the current one is finished: its row will not change again.
         if p.history:
-            self._history_from = p.history[-1].step
+            # A step begun again as a drain point (StepProtocol.redo_as_drain) closed the
+            # step that was open ahead: its row goes.
+            self._conn.execute("DELETE FROM history WHERE step > ?", (p.history[-1].step,))
+            # Every step before the current one is finished: its row will not change again.
+            self._history_from = min(p.step, p.history[-1].step)
 
     # -- reading ------------------------------------------------------------
 
@@ -414,6 +422,7 @@ class StateDB:
             plan_version,
             plan,
             final_states,
+            ahead,
         ) = row
         now_mono, now_wall = time.monotonic(), time.time()
         wall_start = self._meta("wall_start")
@@ -437,6 +446,8 @@ class StateDB:
                 eval_tokens=r[7],
                 eval_leases=r[8],
                 eval_finished_at=mono(r[9]),
+                trains_on=r[10],
+                eval_left=r[11],
             )
             for r in conn.execute("SELECT * FROM history ORDER BY step")
         ]
@@ -468,12 +479,14 @@ class StateDB:
             eval_pending=eval_pending,
             awaiting=set(json.loads(awaiting)),
             pending=[
-                SampleRange(r[0], r[1], replay=bool(r[2]), eval=bool(r[3]))
+                SampleRange(r[0], r[1], replay=bool(r[2]), eval=bool(r[3]), step=r[4])
                 for r in conn.execute(
-                    "SELECT sample_start, sample_count, replay, eval FROM pending ORDER BY pos"
+                    "SELECT sample_start, sample_count, replay, eval, step FROM pending "
+                    "ORDER BY pos"
                 )
             ],
             leases=leases,
+            ahead=bool(ahead),
         )
         membership.plan_version = plan_version
         for r in conn.execute("SELECT * FROM members ORDER BY node_id"):

@@ -15,6 +15,20 @@ calls `finish` once it holds a checked set; see coordinator/service.py), so no n
 with the last steps' training. Evaluation samples are not training samples: they are left
 out of the counters.
 
+Overlap (train.step_overlap): step s+1 may open while step s still trains or is being
+applied, once step s-1 is applied everywhere, so at most two steps are open: the current
+step (the oldest not applied everywhere) and the one *ahead* of it. Each step records the
+parameters it trains on (`trains_on`, counted in optimizer steps applied): a step opened
+ahead trains on the parameters after step s-1 (trains_on = s), so its every microbatch sees
+one version and its gradient is applied one step late, to the newest parameters. A step
+that opens as the current one (no step ahead of the one before) trains on the newest
+parameters (trains_on = its own number), as without overlap: a *drain point*. Drain points
+are step 0, every `drain_every`-th step (checkpoints), the first step opened after a restart,
+and every step opened while the service says the swarm is not settled (a node joining,
+moving or re-syncing): a node can only enter the plan at a step that trains on the
+parameters it downloaded. Leases of the current step go first; APPLY is for the current
+step only, so steps are applied in order.
+
 Guarantee: every leased sample is committed or leased again. A lease returns
 to the queue (and is counted as replayed) when its head releases it, when the
 head goes offline, or when it outlives the lease timeout. This class is pure
@@ -79,6 +93,11 @@ class StepStats:
     eval_leases: int = 0
     """Evaluation leases this step carries; 0 when it does not evaluate."""
     eval_finished_at: float | None = None
+    trains_on: int = -1
+    """The parameters the step trains on, in optimizer steps applied: `step`, or `step - 1`
+    for a step opened ahead (train.step_overlap)."""
+    eval_left: int = 0
+    """Evaluation leases of the step not committed yet."""
 
     @property
     def loss(self) -> float:
@@ -101,6 +120,7 @@ class SampleRange:
     count: int
     replay: bool = False
     eval: bool = False
+    step: int = 0
 
 
 @dataclass(slots=True)
@@ -113,6 +133,10 @@ class StepProtocol:
     lease_timeout_s: float
     eval_every: int = 0
     eval_samples: int = 0
+    overlap: bool = False
+    """train.step_overlap: open the next step early (see the module docstring)."""
+    drain_every: int = 0
+    """Every this many steps is a drain point (checkpoint.every_steps); 0: none."""
     clock: Callable[[], float] = time.monotonic
     phase: Phase = Phase.WAITING
     step: int = 0
@@ -129,7 +153,12 @@ class StepProtocol:
     restart, when this coordinator took it up)."""
     _holds: dict[str, float] = field(default_factory=dict)
     _opened: bool = False
-    _eval_pending: int = 0
+    _acks_set: bool = True
+    """False from the moment a step enters APPLY until `await_acks` names its nodes."""
+    _ahead: bool = False
+    """Step + 1 is open too (overlap)."""
+    _drain_next: bool = False
+    """No step opens ahead until one opens as a drain point (set after a restart)."""
     run_started_at: float | None = None
 
     # -- step lifecycle -------------------------------------------------
@@ -148,25 +177,98 @@ class StepProtocol:
             self.phase = Phase.WAITING
 
     def _open_step(self, step: int) -> None:
+        """Open `step` as the current step: a drain point, on the newest parameters."""
         self.step = step
         self._opened = True
+        self._drain_next = False
+        self.history.append(self._ranges_of(step, trains_on=step))
+
+    def _ranges_of(self, step: int, *, trains_on: int) -> StepStats:
+        """Queue `step`'s leases (after any queued) and return its fresh stats."""
         now = self.clock()
         if self.run_started_at is None:
             self.run_started_at = now
-        stats = StepStats(step=step, started_at=now)
+        stats = StepStats(step=step, started_at=now, trains_on=trains_on)
         if self.evaluates(step):
             # Evaluation first: it is short, and its result is what a watcher waits for.
             for offset in range(0, self.eval_samples, self.microbatch):
                 count = min(self.microbatch, self.eval_samples - offset)
-                self._pending.append(SampleRange(offset, count, eval=True))
+                self._pending.append(SampleRange(offset, count, eval=True, step=step))
                 stats.eval_leases += 1
-            self._eval_pending = stats.eval_leases
-        if not self.eval_only:
+            stats.eval_left = stats.eval_leases
+        if step < self.total_steps:
             base = step * self.global_batch
             for offset in range(0, self.global_batch, self.microbatch):
                 count = min(self.microbatch, self.global_batch - offset)
-                self._pending.append(SampleRange(base + offset, count))
-        self.history.append(stats)
+                self._pending.append(SampleRange(base + offset, count, step=step))
+        return stats
+
+    def open_ahead(self, *, settled: bool) -> bool:
+        """Open step + 1 now, on the parameters the current step's predecessor left, if
+        overlap allows it: the swarm is `settled` (the service's word: every stage served,
+        no node on its way in), step + 1 is a training step and not a drain point. Returns
+        whether it opened. Sound at any moment of the current step: step - 1 is applied
+        everywhere, since the current step opened only then."""
+        if not (self.overlap and settled and self._opened) or self._ahead or self._drain_next:
+            return False
+        if self.phase not in (Phase.TRAINING, Phase.APPLY):
+            return False
+        nxt = self.step + 1
+        if nxt >= self.total_steps or (self.drain_every and nxt % self.drain_every == 0):
+            return False
+        self.history.append(self._ranges_of(nxt, trains_on=self.step))
+        self._ahead = True
+        return True
+
+    @property
+    def ahead(self) -> int | None:
+        """The step open ahead of the current one (overlap), or None."""
+        return self.step + 1 if self._ahead else None
+
+    def trains_on(self, step: int) -> int:
+        """The parameters an open (or past) `step` trains on, in optimizer steps applied."""
+        stats = self.stats_of(step)
+        return step if stats is None or stats.trains_on < 0 else stats.trains_on
+
+    def stats_of(self, step: int) -> StepStats | None:
+        for stats in reversed(self.history):
+            if stats.step == step:
+                return stats
+        return None
+
+    def redo_as_drain(self) -> bool:
+        """Start the current step again on the newest parameters (and close the step ahead),
+        when it trains on older ones: a stage that lost its last replica can only be served
+        again by a node that downloads the newest state. Every lease of those steps, committed
+        ones too, is retired (a late commit is refused) and their samples leased again, as
+        replays; the nodes' sums of the old version are never applied (APPLY names the version).
+        Only while the current step trains (its APPLY cannot be taken back). Returns whether it
+        did anything."""
+        if self.phase not in (Phase.TRAINING, Phase.WAITING) or not self._opened:
+            return False
+        if self.trains_on(self.step) == self.step and not self._ahead:
+            return False
+        steps = {self.step, self.step + 1}
+        leased_before = {
+            (x.sample_start, x.eval)
+            for book in (self._outstanding, self._committed, self._retired)
+            for x in book.values()
+            if x.step == self.step
+        }
+        for book in (self._outstanding, self._committed):
+            for lease in [x for x in book.values() if x.step in steps]:
+                del book[lease.lease_id]
+                self._retired[lease.lease_id] = lease
+                if book is self._committed and not lease.eval:
+                    self.counters.committed -= lease.sample_count
+        self._pending = deque(r for r in self._pending if r.step not in steps)
+        self.history = [s for s in self.history if s.step not in steps]
+        self._ahead = False
+        self._open_step(self.step)
+        for r in self._pending:
+            # Leased before: counted as replayed when leased again.
+            r.replay = (r.start, r.eval) in leased_before
+        return True
 
     def evaluates(self, step: int) -> bool:
         """Whether `step` carries evaluation leases (the round after the last step does)."""
@@ -183,20 +285,22 @@ class StepProtocol:
 
     @property
     def current(self) -> StepStats:
-        return self.history[-1]
+        """The current step's stats (the step ahead, if open, is the last in the history)."""
+        return self.history[-2] if self._ahead else self.history[-1]
 
     # -- leases ---------------------------------------------------------
 
     def lease(self, node_id: str) -> Lease | None:
         """Grant the next range of the current step, or None if there is none now."""
         self.expire()
-        if self.phase is not Phase.TRAINING or not self._pending:
+        # While the current step is applied, the step ahead (if open) is still leased.
+        if self.phase not in (Phase.TRAINING, Phase.APPLY) or not self._pending:
             return None
         rng = self._pending.popleft()
         lease = Lease(
             lease_id=self._next_lease_id,
             node_id=node_id,
-            step=self.step,
+            step=rng.step,
             sample_start=rng.start,
             sample_count=rng.count,
             replay=rng.replay,
@@ -232,12 +336,14 @@ class StepProtocol:
         del self._outstanding[lease_id]
         lease.loss_sum, lease.tokens = loss_sum, tokens
         self._committed[lease_id] = lease
-        stats = self.current
+        found = self.stats_of(lease.step)
+        assert found is not None  # outstanding leases belong to an open step
+        stats = found
         if lease.eval:
             stats.eval_loss_sum += loss_sum
             stats.eval_tokens += tokens
-            self._eval_pending -= 1
-            if not self._eval_pending:
+            stats.eval_left -= 1
+            if not stats.eval_left:
                 stats.eval_finished_at = self.clock()
         else:
             self.counters.committed += lease.sample_count
@@ -246,22 +352,41 @@ class StepProtocol:
             stats.samples += lease.sample_count
             stats.loss_sum += loss_sum
             stats.tokens += tokens
-        if not self._pending and not self._outstanding:
+        if self._all_committed(lease.step):
             stats.finished_at = self.clock()
-            # The round after the last step only evaluates: nothing to apply.
-            if self.eval_only:
-                self._save()
-            else:
-                self.phase = Phase.APPLY
+            if lease.step == self.step:
+                self._current_done()
         return None
+
+    def _all_committed(self, step: int) -> bool:
+        return not any(r.step == step for r in self._pending) and not any(
+            x.step == step for x in self._outstanding.values()
+        )
+
+    def _current_done(self) -> None:
+        """Every lease of the current step is committed."""
+        # The round after the last step only evaluates: nothing to apply.
+        if self.eval_only:
+            self._save()
+        else:
+            self.phase = Phase.APPLY
+            # With overlap a step can enter APPLY as it becomes the current one, inside
+            # try_advance: nothing advances it until `await_acks` named its nodes.
+            self._acks_set = False
 
     def _requeue(self, lease: Lease) -> None:
         del self._outstanding[lease.lease_id]
         self._retired[lease.lease_id] = lease
-        # Replays go to the front so a step's stragglers finish first.
-        self._pending.appendleft(
-            SampleRange(lease.sample_start, lease.sample_count, replay=True, eval=lease.eval)
+        again = SampleRange(
+            lease.sample_start, lease.sample_count, replay=True, eval=lease.eval, step=lease.step
         )
+        # Replays go to the front so a step's stragglers finish first; the step ahead's
+        # stay behind the current step's ranges.
+        if lease.step == self.step:
+            self._pending.appendleft(again)
+        else:
+            at = sum(1 for r in self._pending if r.step == self.step)
+            self._pending.insert(at, again)
 
     def release(self, node_id: str, lease_id: int) -> bool:
         """The head gives a lease back (it could not finish it)."""
@@ -302,6 +427,12 @@ class StepProtocol:
         """Enter APPLY bookkeeping: these nodes must apply the step before the next opens."""
         self._awaiting_ack = set(node_ids)
         self._apply_since = self.clock()
+        self._acks_set = True
+
+    @property
+    def acks_set(self) -> bool:
+        """False while the current step is in APPLY and `await_acks` has not named its nodes."""
+        return self._acks_set
 
     def overdue(self, timeout_s: float) -> frozenset[str]:
         """The nodes still owing the current step's acknowledgement `timeout_s` after its
@@ -330,9 +461,16 @@ class StepProtocol:
 
     @property
     def target_step(self) -> int:
-        """The step whose state a node must hold to start serving now: the current step,
-        or the next one while the current one is being applied."""
-        return self.step + 1 if self.phase is Phase.APPLY else self.step
+        """The step whose state a node must hold to start serving: the current step, or the
+        next one while the current one is being applied; with overlap, the first of those
+        that does not train on older parameters than that state (a step open ahead, or a
+        current step opened ahead, does)."""
+        first = self.step + 1 if self.phase is Phase.APPLY else self.step
+        if first == self.step and self.trains_on(self.step) != self.step:
+            first += 1
+        if first == self.step + 1 and self._ahead:
+            first += 1
+        return first
 
     def hold(self, node_id: str, seconds: float) -> None:
         """Keep the next step from opening for up to `seconds` while `node_id` fetches its
@@ -353,15 +491,24 @@ class StepProtocol:
 
     def try_advance(self) -> bool:
         """Open the next step (or finish) once no node still owes an acknowledgement
-        and no joining node holds the boundary."""
+        and no joining node holds the boundary. A step open ahead becomes the current one
+        (in APPLY at once when its leases are all committed already)."""
         if self.phase is not Phase.APPLY or self._awaiting_ack:
+            return False
+        if self.overlap and not self._acks_set:
             return False
         if self.held() is not None and self.step + 1 < self.total_steps:
             return False
         done = self.current
         self.counters.lost += self.global_batch - done.samples
         self._apply_since = None
-        if self.step + 1 >= self.total_steps and not self.evaluates(self.total_steps):
+        if self._ahead:
+            self.step += 1
+            self._ahead = False
+            self.phase = Phase.TRAINING
+            if self._all_committed(self.step):
+                self._current_done()
+        elif self.step + 1 >= self.total_steps and not self.evaluates(self.total_steps):
             self._save()
         else:
             self._open_step(self.step + 1)
@@ -384,7 +531,7 @@ class StepProtocol:
 
     @property
     def eval_pending(self) -> int:
-        return self._eval_pending
+        return self.current.eval_left if self.history else 0
 
     def pending_ranges(self) -> list[SampleRange]:
         """The current step's samples not leased yet, in the order they will be."""
@@ -408,12 +555,18 @@ class StepProtocol:
         awaiting: set[str],
         pending: list[SampleRange],
         leases: list[tuple[str, Lease]],
+        ahead: bool = False,
     ) -> None:
-        """Take up the state a coordinator that died had recorded. Leases that were open
-        stay open for a full lease timeout from now: the heads that hold them still work on
-        them and commit once they reach this coordinator."""
+        """Take up the state a coordinator that died had recorded (the history first). Leases
+        that were open stay open for a full lease timeout from now: the heads that hold them
+        still work on them and commit once they reach this coordinator. A step open ahead
+        stays open; the next step to open is a drain point."""
         self.step, self.phase, self._opened = step, phase, opened
-        self._next_lease_id, self._eval_pending = next_lease_id, eval_pending
+        self._next_lease_id, self._ahead = next_lease_id, ahead
+        self._drain_next = True
+        self._acks_set = True
+        if self.history and not self.current.eval_left:
+            self.current.eval_left = eval_pending
         self._awaiting_ack = set(awaiting)
         self._pending = deque(pending)
         now = self.clock()

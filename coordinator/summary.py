@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 
 from swarmpipe.protos import coordinator_pb2
 
@@ -25,10 +26,21 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def busy_seconds(spans: Iterable[tuple[float, float]]) -> float:
+    """Seconds during which some step trained, from each step's (opening, last commit): the
+    union of the spans, which is their sum unless steps overlap (train.step_overlap)."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
 def summary_lines(status: coordinator_pb2.StatusReply) -> list[str]:
     """What an organiser wants to see when a run ends, one fact a line."""
     steps = list(status.steps)
-    train_seconds = sum(s.seconds for s in steps)
+    train_seconds = busy_seconds((s.elapsed_s - s.seconds, s.elapsed_s) for s in steps)
     samples = sum(s.samples for s in steps)
     final_eval = next(
         (e.loss for e in reversed(status.evals) if e.step >= status.total_steps), None

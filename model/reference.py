@@ -7,6 +7,7 @@ floating-point rounding when the codec is lossless.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,7 @@ def train_single_process(
     *,
     model: nn.Module | None = None,
     device: torch.device | str = "cpu",
+    trains_on: Sequence[int] | None = None,
 ) -> list[float]:
     """Train cfg's model in this process; return the mean token loss of each step.
 
@@ -37,6 +39,12 @@ def train_single_process(
     defaults to train.steps. When `evals` is a list and train.eval_every > 0,
     (step, held-out loss) is appended where the pipeline evaluates: before every
     eval_every-th step and after the last.
+
+    `trains_on[s]` (train.step_overlap, as a run's report.json records it) names the
+    parameters step s computes its gradient on, in optimizer steps applied: s, or s - 1 for a
+    step the pipeline opened early. The gradient is applied to the newest parameters
+    (W(s+1) = AdamW(W(s), g(s) at W(trains_on[s]))), and an evaluation at step s measures
+    W(trains_on[s]). None: every step on its own parameters, as without overlap.
     """
     if model is None:
         model = build_full_model(cfg)
@@ -48,9 +56,17 @@ def train_single_process(
     optimizer = build_optimizer(model, cfg)
     losses = []
     total = t.steps if steps is None else steps
+    # The parameters after each number of optimizer steps that a later step trains on.
+    versions: dict[int, nn.Module] = {}
     for step in range(total):
+        on = step if trains_on is None else trains_on[step]
+        if on not in (step, step - 1):
+            raise ValueError(f"step {step} cannot train on the parameters of step {on}")
+        if trains_on is not None and step + 1 < total and trains_on[step + 1] == step:
+            versions[step] = copy.deepcopy(model)  # step + 1 will train on these
+        compute = model if on == step else versions.pop(on)
         if evals is not None and t.eval_every and step % t.eval_every == 0:
-            evals.append((step, evaluate(model, corpus, t.eval_samples)))
+            evals.append((step, evaluate(compute, corpus, t.eval_samples)))
         base = step * t.global_batch
         loss_sum, tokens = 0.0, 0
         for offset in range(0, t.global_batch, t.microbatch):
@@ -58,11 +74,15 @@ def train_single_process(
             x, y = corpus.samples(base + offset, count)  # each [count, T]
             x, y = x.to(device), y.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = model(x)
+                logits = compute(x)
             loss = token_loss_sum(logits, y)
             torch.autograd.backward(loss)
             loss_sum += float(loss.detach())
             tokens += y.numel()
+        if compute is not model:
+            # Taken on the older parameters, applied to the newest.
+            for p, q in zip(model.parameters(), compute.parameters(), strict=True):
+                p.grad = q.grad
         # The same scaling, in the same order, as StageRuntime.apply_step.
         scale = 1.0 / tokens
         for p in model.parameters():

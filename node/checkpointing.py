@@ -73,7 +73,16 @@ class Checkpointer:
         if self._upload is not None and not self._upload.done():
             logger.warning("checkpoint of step %d skipped: the last one is still uploading", step)
             return
-        snapshot = await d.compute.run(BACKWARD, lambda: runtime.export_state(node_id=d.node_id))
+        snapshot = await d.compute.run(
+            BACKWARD,
+            lambda: runtime.export_state(node_id=d.node_id) if runtime.step == step else None,
+        )
+        if snapshot is None:
+            # Only if the next step was applied first. Checkpoints hold the state of a
+            # checkpoint step alone: under train.step_overlap those are drain points, whose
+            # state is the version the step trains on, so a resume takes the same steps.
+            logger.warning("checkpoint of step %d skipped: the stage is past it", step)
+            return
         self._upload = asyncio.create_task(self._save(snapshot))
 
     async def _save(self, snapshot: StateSnapshot) -> None:

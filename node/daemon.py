@@ -839,7 +839,9 @@ class NodeDaemon:
         elif not self.status.serving:
             return  # a syncing node's state is not the stage's: it applies nothing
         elif state.phase == Phase.PHASE_APPLY and state.step == joined.ctx.runtime.step:
-            self._applies.add(self._spawn(self._apply(joined, state.step)))
+            # The version the step trained on (train.step_overlap); its own otherwise.
+            trains_on = state.trains_on if joined.ctx.config.train.step_overlap else state.step
+            self._applies.add(self._spawn(self._apply(joined, state.step, trains_on)))
         elif (
             state.phase == Phase.PHASE_SAVE
             and self.node_id in state.save_from
@@ -847,7 +849,7 @@ class NodeDaemon:
         ):
             self._spawn(joined.checkpointer.save_final(state.step))
 
-    async def _apply(self, joined: _Joined, step: int) -> None:
+    async def _apply(self, joined: _Joined, step: int, trains_on: int) -> None:
         runtime = joined.ctx.runtime
         if step in self._applying:
             return  # MQTT delivers at least once: this APPLY is already being handled
@@ -856,9 +858,11 @@ class NodeDaemon:
         times.apply_arrived(step)
         replicas = 1
         if runtime.outer is None:
-            reduced, replicas = await joined.replica_sync.reduce(step)
+            reduced, replicas = await joined.replica_sync.reduce(step, trains_on)
             times.reduced(step)
-            samples = await self.compute.run(BACKWARD, lambda: runtime.apply_step(step, reduced))
+            samples = await self.compute.run(
+                BACKWARD, lambda: runtime.apply_step(step, reduced, trains_on=trains_on)
+            )
             how = f"{replicas} replica{'' if replicas == 1 else 's'}"
         else:
             # DiLoCo: a local inner step, and every few steps the outer average.

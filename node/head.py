@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarmpipe.errors import CoordinatorUnavailable
+from swarmpipe.errors import CoordinatorUnavailable, PeerError
 from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.context import StageContext
@@ -184,6 +184,8 @@ class Head:
             sender_node=d.node_id,
             eval=lease.eval,
         )
+        if lease.HasField("trains_on"):
+            header.trains_on = lease.trains_on
         if config.model.bottleneck and config.pipeline.stages > 1:
             # Stages after a bottleneck boundary re-add token embeddings; they derive the
             # ids from these and the labels (node/token_ids.py).
@@ -201,6 +203,8 @@ class Head:
         runtime = d.runtime
         tokens, labels = self.corpus.samples(lease.sample_start, lease.sample_count)
         microbatch_id = f"{lease.step}:{lease.sample_start}:{lease.sample_count}"
+        step = int(lease.step)
+        trains_on = int(lease.trains_on) if lease.HasField("trains_on") else step
         header = self._header(lease, microbatch_id, tokens, labels)
         key = uuid.uuid4().hex
         leased_at = time.monotonic()
@@ -210,13 +214,19 @@ class Head:
                 d.status.step_times.forward_started(lease.step)
                 if runtime.is_last:  # a one-stage run: the head is the whole model
                     last, seconds = await d.compute.run_timed(
-                        FORWARD, lambda: runtime.forward_last(microbatch_id, tokens, labels)
+                        FORWARD,
+                        lambda: runtime.forward_last(
+                            microbatch_id, tokens, labels, step=step, trains_on=trains_on
+                        ),
                     )
                     d.status.step_times.computed(lease.step, seconds)
                     loss_sum, n_tokens = last.loss_sum, last.tokens
                 else:
                     output, forward_s = await d.compute.run_timed(
-                        FORWARD, lambda: runtime.forward(key, microbatch_id, tokens)
+                        FORWARD,
+                        lambda: runtime.forward(
+                            key, microbatch_id, tokens, step=step, trains_on=trains_on
+                        ),
                     )
                     hop = await self._send_with_retries(header, output, leased_at=leased_at)
                     if hop is None:
@@ -231,6 +241,11 @@ class Head:
                     d.links.record_compute(forward_s + backward_s)
                     d.status.step_times.computed(lease.step, forward_s + backward_s)
                     loss_sum, n_tokens = hop.result.loss_sum, hop.result.tokens
+            except PeerError as exc:
+                # A lease that outlived its step (it was leased again and the step applied):
+                # this node no longer holds the parameters it trains on.
+                await self._release(lease, str(exc))
+                return False
             finally:
                 await asyncio.shield(d.compute.run(BACKWARD, lambda: runtime.discard(key)))
         d.status.count_samples(lease.sample_count, seconds=time.perf_counter() - started)
@@ -269,12 +284,24 @@ class Head:
         tokens, labels = self.corpus.heldout_range(lease.sample_start, lease.sample_count)
         microbatch_id = f"eval:{lease.step}:{lease.sample_start}:{lease.sample_count}"
         leased_at = time.monotonic()
+        trains_on = int(lease.trains_on) if lease.HasField("trains_on") else int(lease.step)
         with d.status.track_microbatch():
+            try:
+                if runtime.is_last:
+                    last = await d.compute.run(
+                        FORWARD,
+                        lambda: runtime.evaluate_last(tokens, labels, trains_on=trains_on),
+                    )
+                else:
+                    output = await d.compute.run(
+                        FORWARD, lambda: runtime.forward_eval(tokens, trains_on=trains_on)
+                    )
+            except PeerError as exc:  # a lease that outlived its step's parameters
+                await self._release(lease, str(exc))
+                return
             if runtime.is_last:
-                last = await d.compute.run(FORWARD, lambda: runtime.evaluate_last(tokens, labels))
                 loss_sum, n_tokens = last.loss_sum, last.tokens
             else:
-                output = await d.compute.run(FORWARD, lambda: runtime.forward_eval(tokens))
                 header = self._header(lease, microbatch_id, tokens, labels)
                 hop = await self._send_with_retries(header, output, leased_at=leased_at)
                 if hop is None:

@@ -469,8 +469,11 @@ class ReplicaSync:
             except grpc.aio.AioRpcError as exc:
                 logger.warning("could not report %s to the coordinator: %s", node, exc.details())
 
-    async def reduce(self, step: int) -> tuple[Contribution | None, int]:
-        """Combine this stage's gradients over its live replicas; (None, 1) when alone.
+    async def reduce(
+        self, step: int, trains_on: int | None = None
+    ) -> tuple[Contribution | None, int]:
+        """Combine this stage's gradients of `step` (on version `trains_on`, default its own)
+        over its live replicas; (None, 1) when alone.
 
         Returns the (sum, tokens, samples) to apply and how many contributions it holds.
         """
@@ -478,7 +481,7 @@ class ReplicaSync:
         runtime = d.runtime
         if not self._peers():
             return None, 1
-        own = await d.compute.run(BACKWARD, runtime.local_gradient)
+        own = await d.compute.run(BACKWARD, lambda: runtime.local_gradient(step, trains_on))
         agreed = await self.exchange(step, own, delta=False)
         momentum = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime))
         profile = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime, "exp_avg_sq"))

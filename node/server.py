@@ -101,6 +101,12 @@ async def read_forward_request(
     return header, await reader.finish()
 
 
+def trains_on_of(header: stage_pb2.MicrobatchHeader) -> int:
+    """The parameter version a microbatch is computed on: the header's `trains_on`
+    (train.step_overlap), else its step's own."""
+    return int(header.trains_on) if header.HasField("trains_on") else int(header.step)
+
+
 def decode_labels_and_tokens(
     header: stage_pb2.MicrobatchHeader, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -247,14 +253,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         with d.status.track_microbatch():
             if runtime.is_last:
                 last = await d.compute.run(
-                    FORWARD, lambda: runtime.evaluate_last(activation, labels, tokens)
+                    FORWARD,
+                    lambda: runtime.evaluate_last(
+                        activation, labels, tokens, trains_on=trains_on_of(header)
+                    ),
                 )
                 result = stage_pb2.MicrobatchResult(
                     loss_sum=last.loss_sum, tokens=last.tokens, stages_done=1
                 )
             else:
+                version = trains_on_of(header)
                 output = await d.compute.run(
-                    FORWARD, lambda: runtime.forward_eval(activation, tokens)
+                    FORWARD, lambda: runtime.forward_eval(activation, tokens, trains_on=version)
                 )
                 hop = await self._send_downstream(header, output, context)
                 result = stage_pb2.MicrobatchResult()
@@ -309,11 +319,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             BAD_REQUESTS.record(FORWARD_METHOD, context.peer(), f"a microbatch: {exc}")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
-        if header.step != runtime.step:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"microbatch is for step {header.step}; this node is at step {runtime.step}",
-            )
+        trains_on = trains_on_of(header)
+        try:
+            runtime.check_step(header.step, trains_on)
+        except PeerError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if header.eval:
             async for message in self._evaluate(header, activation, labels, tokens, context):
                 yield message
@@ -326,7 +336,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     last, seconds = await d.compute.run_timed(
                         FORWARD,
                         lambda: runtime.forward_last(
-                            header.microbatch_id, activation, labels, tokens
+                            header.microbatch_id,
+                            activation,
+                            labels,
+                            tokens,
+                            step=header.step,
+                            trains_on=trains_on,
                         ),
                     )
                     d.links.record_compute(seconds)
@@ -338,7 +353,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 else:
                     output, forward_s = await d.compute.run_timed(
                         FORWARD,
-                        lambda: runtime.forward(key, header.microbatch_id, activation, tokens),
+                        lambda: runtime.forward(
+                            key,
+                            header.microbatch_id,
+                            activation,
+                            tokens,
+                            step=header.step,
+                            trains_on=trains_on,
+                        ),
                     )
                     hop = await self._send_downstream(header, output, context)
                     if hop.grad_input is None:

@@ -15,6 +15,18 @@ timing (plaintext or TLS, loaded machine or not). Exact unless one parameter's g
 in a step span more than about 2**24 in magnitude, and even then the float64 rounding
 changes the float32 result with a chance of about 1e-9. It costs 8 bytes a parameter.
 
+Overlapping steps (train.step_overlap): two steps may be open at once, on two parameter
+versions (a version is named by the optimizer steps applied to it; the coordinator says which
+one each step trains on, and every hop carries it). The optimizer's parameters (the module's)
+are then never used for compute: each version a step trains on is a frozen copy of them, made
+the first time a microbatch needs it or, at the latest, just before the optimizer step that
+would overwrite it, and forward and backward run on it through `torch.func.functional_call`.
+So an optimizer step never changes tensors an open step's graph holds. Gradient sums are
+kept per (step, version): the reduce of step s takes step s's alone while step s+1 keeps
+accumulating. After step s is applied only versions s and later can still be trained on;
+older copies and sums are freed. Without overlap the module's parameters are used directly,
+as before.
+
 A microbatch contributes to this node's gradients at most once per step: when
 a sender resends one after a failure further up (the downstream part already
 ran), the repeat only computes the input gradient the sender needs.
@@ -38,9 +50,10 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.func import functional_call
 
 from swarmpipe.config import RunConfig
 from swarmpipe.errors import PeerError
@@ -57,6 +70,21 @@ class _Saved:
     microbatch_id: str
     inputs: torch.Tensor
     outputs: torch.Tensor
+    step: int
+    trains_on: int
+    params: list[torch.Tensor]
+    """The tensors its graph was built on: the module's parameters, or a frozen version."""
+
+
+@dataclass(slots=True)
+class _StepSum:
+    """One step's gradient sum on one parameter version."""
+
+    summed: list[torch.Tensor] | None = None
+    """Float64, one per parameter (None: nothing yet)."""
+    tokens: int = 0
+    samples: int = 0
+    contributed: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +115,13 @@ class StageRuntime:
         self.input_width = m.bottleneck if m.bottleneck and not self.is_first else m.d_model
         self.optimizer = build_optimizer(self.module, config)
         self.step = 0
-        self.tokens_accumulated = 0
-        self.samples_accumulated = 0
         self.duplicates_skipped = 0
-        self._contributed: set[str] = set()
         self._saved: dict[str, _Saved] = {}
-        self._summed: list[torch.Tensor] | None = None
-        """The step's gradient sum so far, float64, one per parameter (None: nothing yet)."""
+        self._sums: dict[tuple[int, int], _StepSum] = {}
+        """(step, version it trains on) -> its gradient sum so far."""
+        self.overlap = config.train.step_overlap
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        """train.step_overlap: frozen parameter versions open steps train on, by version."""
         p = config.pipeline
         self.outer: OuterOptimizer | None = None
         if p.sync == "diloco":
@@ -178,22 +206,86 @@ class StageRuntime:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled):
             yield
 
+    # -- parameter versions (train.step_overlap) -----------------------------
+
+    def check_step(self, step: int, trains_on: int) -> None:
+        """Refuse (PeerError) a microbatch of `step` on version `trains_on` that this node
+        cannot compute: without overlap only the current step, on its own parameters; with
+        it the current step or the next, on a version this node holds."""
+        if not self.overlap:
+            if step != self.step or trains_on != step:
+                raise PeerError(f"microbatch is for step {step}; this node is at step {self.step}")
+            return
+        if not self.step <= step <= self.step + 1 or trains_on not in (step - 1, step):
+            raise PeerError(
+                f"microbatch is for step {step} on the parameters of step {trains_on}; this "
+                f"node is at step {self.step}"
+            )
+        if trains_on not in self._versions and trains_on != self.step:
+            raise PeerError(
+                f"the parameters of step {trains_on} are no longer held here "
+                f"(this node is at step {self.step})"
+            )
+
+    def _version(self, trains_on: int) -> dict[str, torch.Tensor]:
+        """The frozen parameters of version `trains_on` (made from the module's parameters,
+        which are that version, the first time it is asked for)."""
+        version = self._versions.get(trains_on)
+        if version is None:
+            if trains_on != self.step:
+                raise PeerError(
+                    f"the parameters of step {trains_on} are not held here (this node is at "
+                    f"step {self.step})"
+                )
+            version = self._versions[trains_on] = self._freeze()
+        return version
+
+    def _freeze(self) -> dict[str, torch.Tensor]:
+        return {
+            name: p.detach().clone().requires_grad_(p.requires_grad)
+            for name, p in self.module.named_parameters()
+        }
+
+    def _run(
+        self, inputs: torch.Tensor, tokens: torch.Tensor | None, trains_on: int | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The stage's output and the parameter tensors it was computed from."""
+        with self._autocast():
+            if not self.overlap:
+                out: torch.Tensor = self.module(inputs, self._on_device(tokens))
+                return out, list(self.module.parameters())
+            version = self._version(self.step if trains_on is None else trains_on)
+            out = functional_call(self.module, version, (inputs, self._on_device(tokens)))
+            return out, list(version.values())
+
     def forward(
-        self, key: str, microbatch_id: str, x: torch.Tensor, tokens: torch.Tensor | None = None
+        self,
+        key: str,
+        microbatch_id: str,
+        x: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+        *,
+        step: int | None = None,
+        trains_on: int | None = None,
     ) -> torch.Tensor:
         """Run the stage and keep the graph under `key` until backward or discard.
 
         `tokens` [B, T] are the microbatch's ids, needed after a bottleneck boundary.
+        `step` (default: the current one) is the step whose sum the gradient joins and
+        `trains_on` (default: `step`) the parameter version it is computed on.
         """
+        step = self.step if step is None else step
+        trains_on = step if trains_on is None else trains_on
         inputs = self._prepare(x)
-        with self._autocast():
-            outputs: torch.Tensor = self.module(inputs, self._on_device(tokens))
-        self._saved[key] = _Saved(microbatch_id, inputs, outputs)
+        outputs, params = self._run(inputs, tokens, trains_on)
+        self._saved[key] = _Saved(microbatch_id, inputs, outputs, step, trains_on, params)
         return outputs.detach()
 
     def backward(self, key: str, grad_output: torch.Tensor) -> torch.Tensor | None:
         """Backpropagate the gradient from downstream; return the input's gradient."""
-        saved = self._saved.pop(key)
+        saved = self._saved.pop(key, None)
+        if saved is None:
+            raise PeerError("the microbatch's step was applied while its gradient came back")
         if grad_output.shape != saved.outputs.shape:
             raise PeerError(
                 f"gradient shape {list(grad_output.shape)} does not match the output "
@@ -210,45 +302,58 @@ class StageRuntime:
         x: torch.Tensor,
         labels: torch.Tensor,
         tokens: torch.Tensor | None = None,
+        *,
+        step: int | None = None,
+        trains_on: int | None = None,
     ) -> LastStageResult:
-        """The last stage: forward, loss, and backward at once."""
+        """The last stage: forward, loss, and backward at once (`step` and `trains_on` as
+        in `forward`)."""
+        step = self.step if step is None else step
+        trains_on = step if trains_on is None else trains_on
         inputs = self._prepare(x)
         labels = to_device(labels, self.device)
-        with self._autocast():
-            logits = self.module(inputs, self._on_device(tokens))
+        logits, params = self._run(inputs, tokens, trains_on)
         loss = token_loss_sum(logits, labels)
-        saved = _Saved(microbatch_id, inputs, logits)
+        saved = _Saved(microbatch_id, inputs, logits, step, trains_on, params)
         grad_input = self._backprop(saved, loss, None)
         return LastStageResult(grad_input, float(loss.detach()), labels.numel())
 
     @torch.no_grad()
-    def forward_eval(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward only, for evaluation: nothing is saved and no gradient will come back."""
+    def forward_eval(
+        self, x: torch.Tensor, tokens: torch.Tensor | None = None, *, trains_on: int | None = None
+    ) -> torch.Tensor:
+        """Forward only, for evaluation: nothing is saved and no gradient will come back.
+        `trains_on` is the version measured (default: the current parameters)."""
         x = to_device(x, self.device)
-        with self._autocast():
-            out = self.module(x if self.is_first else x.float(), self._on_device(tokens))
-        return out  # type: ignore[no-any-return]
+        out, _ = self._run(x if self.is_first else x.float(), tokens, trains_on)
+        return out
 
     @torch.no_grad()
     def evaluate_last(
-        self, x: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+        *,
+        trains_on: int | None = None,
     ) -> LastStageResult:
         """The last stage of an evaluation: forward and the summed token loss, no backward."""
-        logits = self.forward_eval(x, tokens)
+        logits = self.forward_eval(x, tokens, trains_on=trains_on)
         loss = token_loss_sum(logits, to_device(labels, self.device))
         return LastStageResult(None, float(loss), labels.numel())
 
     def _backprop(
         self, saved: _Saved, outputs: torch.Tensor, grad: torch.Tensor | None
     ) -> torch.Tensor | None:
-        first_time = saved.microbatch_id not in self._contributed
+        total = self._sums.setdefault((saved.step, saved.trains_on), _StepSum())
+        first_time = saved.microbatch_id not in total.contributed
         if first_time:
             torch.autograd.backward(outputs, grad)
-            self._add_to_sum()
-            self._contributed.add(saved.microbatch_id)
+            self._add_to_sum(total, saved.params)
+            total.contributed.add(saved.microbatch_id)
             tokens = saved.inputs.shape[0] * (saved.inputs.shape[1] if saved.inputs.ndim > 1 else 1)
-            self.tokens_accumulated += int(tokens)
-            self.samples_accumulated += int(saved.inputs.shape[0])
+            total.tokens += int(tokens)
+            total.samples += int(saved.inputs.shape[0])
             return None if self.is_first else saved.inputs.grad
         self.duplicates_skipped += 1
         logger.debug("microbatch %s already contributed this step", saved.microbatch_id)
@@ -257,26 +362,44 @@ class StageRuntime:
         (grad_input,) = torch.autograd.grad(outputs, saved.inputs, grad)
         return grad_input
 
-    def _add_to_sum(self) -> None:
+    @staticmethod
+    def _add_to_sum(total: _StepSum, params: list[torch.Tensor]) -> None:
         """Move this microbatch's gradients (alone in `.grad`) into the float64 sum."""
-        params = list(self.module.parameters())
-        if self._summed is None:
-            self._summed = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-        for p, total in zip(params, self._summed, strict=True):
+        if total.summed is None:
+            total.summed = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        for p, acc in zip(params, total.summed, strict=True):
             if p.grad is not None:
-                total.add_(p.grad)
+                acc.add_(p.grad)
                 p.grad = None
 
-    def gradient_sum(self) -> list[torch.Tensor]:
-        """The step's gradient sum so far, one float32 tensor per parameter (zeros if none)."""
-        if self._summed is None:
-            return [torch.zeros_like(p, dtype=torch.float32) for p in self.module.parameters()]
-        return [total.float() for total in self._summed]
-
     def _clear_sum(self) -> None:
-        if self._summed is not None:
-            for total in self._summed:
-                total.zero_()
+        """Zero every gradient sum's values (their counts stay)."""
+        for total in self._sums.values():
+            for acc in total.summed or []:
+                acc.zero_()
+
+    def _sum_of(self, step: int | None, trains_on: int | None) -> _StepSum:
+        step = self.step if step is None else step
+        return self._sums.get((step, step if trains_on is None else trains_on), _StepSum())
+
+    @property
+    def tokens_accumulated(self) -> int:
+        """Tokens in the current step's gradient sum (on its own parameters)."""
+        return self._sum_of(None, None).tokens
+
+    @property
+    def samples_accumulated(self) -> int:
+        return self._sum_of(None, None).samples
+
+    def gradient_sum(
+        self, step: int | None = None, trains_on: int | None = None
+    ) -> list[torch.Tensor]:
+        """A step's gradient sum so far (default: the current step on its own parameters),
+        one float32 tensor per parameter (zeros if none)."""
+        summed = self._sum_of(step, trains_on).summed
+        if summed is None:
+            return [torch.zeros_like(p, dtype=torch.float32) for p in self.module.parameters()]
+        return [total.float() for total in summed]
 
     def discard(self, key: str) -> None:
         self._saved.pop(key, None)
@@ -285,10 +408,14 @@ class StageRuntime:
     def saved_count(self) -> int:
         return len(self._saved)
 
-    def local_gradient(self) -> tuple[torch.Tensor, int, int]:
-        """This replica's gradient sum as one flat fp32 vector, with its token and sample counts."""
-        flat = torch.cat([g.reshape(-1) for g in self.gradient_sum()])
-        return flat, self.tokens_accumulated, self.samples_accumulated
+    def local_gradient(
+        self, step: int | None = None, trains_on: int | None = None
+    ) -> tuple[torch.Tensor, int, int]:
+        """This replica's gradient sum of a step (default: the current one, on its own
+        parameters) as one flat fp32 vector, with its token and sample counts."""
+        total = self._sum_of(step, trains_on)
+        flat = torch.cat([g.reshape(-1) for g in self.gradient_sum(step, trains_on)])
+        return flat, total.tokens, total.samples
 
     @property
     def n_parameters(self) -> int:
@@ -300,6 +427,7 @@ class StageRuntime:
         reduced: tuple[torch.Tensor, int, int] | None = None,
         *,
         advance: bool = True,
+        trains_on: int | None = None,
     ) -> int:
         """Average the gradients, step AdamW, and move to step+1.
 
@@ -310,9 +438,13 @@ class StageRuntime:
         APPLY announcement (MQTT delivers at least once) steps only once.
         `advance=False` (a DiLoCo round's last step) leaves the step number for
         `outer_step` to move, so the state is never seen between the two.
+        `trains_on` is the version the coordinator says the step trained on (default:
+        `step`): only that sum is applied; a sum of another version (a step the coordinator
+        began again) is dropped. Microbatches of the next step keep their graphs and sums.
         """
         if step != self.step:
-            return self.samples_accumulated
+            return 0
+        own = self._sums.get((step, step if trains_on is None else trains_on), _StepSum())
         if reduced is not None:
             flat, tokens, samples = reduced
             offset = 0
@@ -321,10 +453,13 @@ class StageRuntime:
                 p.grad = flat[offset : offset + n].view_as(p).to(p.device, p.dtype, copy=True)
                 offset += n
         else:
-            tokens, samples = self.tokens_accumulated, self.samples_accumulated
-            if self._summed is not None:
-                for p, total in zip(self.module.parameters(), self._summed, strict=True):
+            tokens, samples = own.tokens, own.samples
+            if own.summed is not None:
+                for p, total in zip(self.module.parameters(), own.summed, strict=True):
                     p.grad = total.to(p.dtype)
+        if self.overlap:
+            # The step ahead may train on these parameters: keep them before they change.
+            self._version(step)
         if tokens:
             scale = 1.0 / tokens
             for p in self.module.parameters():
@@ -332,13 +467,13 @@ class StageRuntime:
                     p.grad.mul_(scale)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._clear_sum()
         if self.outer is not None:
             self.outer.round_samples += samples
-        self.tokens_accumulated = 0
-        self.samples_accumulated = 0
-        self._contributed.clear()
-        self._saved.clear()
+        # What later steps still train on stays: graphs and sums of later steps, and the
+        # versions they may use (`step` and newer).
+        self._sums = {k: v for k, v in self._sums.items() if k[0] > step}
+        self._saved = {k: v for k, v in self._saved.items() if v.step > step}
+        self._versions = {v: t for v, t in self._versions.items() if v >= step}
         if advance:
             self.step = step + 1
         return samples
@@ -393,10 +528,8 @@ class StageRuntime:
         (a checkpoint from an earlier step resumes at the swarm's current step)."""
         state.load_into(self.module, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self._clear_sum()
-        self.tokens_accumulated = 0
-        self.samples_accumulated = 0
-        self._contributed.clear()
+        self._sums.clear()
+        self._versions.clear()
         self._saved.clear()
         self.step = state.step if step is None else step
         if self.outer is not None:

@@ -156,6 +156,8 @@ class StateTransfer:
                 d.status.request_stop("the run has finished")
                 return False
             target = info.step + (1 if info.applying else 0)
+            if info.HasField("target"):  # train.step_overlap may name a later step
+                target = info.target
             if not await self._obtain(info, target):
                 await asyncio.sleep(min(0.2 * attempt, 2.0))
                 continue

@@ -15,7 +15,10 @@ went to (testnet/main.py sums them per node and per step).
   had nothing left to do.
 - reduce, apply, step_done: the boundary's phases on this node.
 - next: from StepDone's answer until its first forward of the next step: the coordinator
-  opening the step, the head leasing, and for later stages the fill up to them.
+  opening the step, the head leasing, and for later stages the fill up to them. 0 when the
+  next step's first forward came before StepDone's answer (train.step_overlap): then the
+  next step's train window overlaps this step's boundary, and a node's phases of
+  consecutive steps add up to more than its wall time.
 
 Nothing here does I/O; the daemon, the head and the servicer call it on the event loop.
 """
@@ -92,6 +95,9 @@ class StepTimes:
 
     def acked(self, step: int) -> None:
         self._mark(step, "acked_at")
+        entry = self._steps.get(step)
+        if entry is not None and entry.next_s is None and step + 1 in self._steps:
+            entry.next_s = 0.0  # the next step began here before this one was acknowledged
 
     def snapshot(self) -> list[control_pb2.StepTimes]:
         """Every step kept that reached APPLY, oldest first, for telemetry."""

@@ -238,10 +238,20 @@ class StepState(_message.Message):
     PHASE_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
     SAVE_FROM_FIELD_NUMBER: _builtins.int
+    TRAINS_ON_FIELD_NUMBER: _builtins.int
+    AHEAD_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     phase: Global___StepState.Phase.ValueType
     samples: _builtins.int
     """committed samples of the step (APPLY)"""
+    trains_on: _builtins.int
+    """The parameters `step` trains on, as the optimizer steps applied to them: `step`, or
+    `step` - 1 for a step opened early (train.step_overlap).
+    """
+    ahead: _builtins.int
+    """train.step_overlap: step + 1 is open too, training on the parameters after `step`
+    optimizer steps (0: no step is open early).
+    """
     @_builtins.property
     def save_from(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """SAVE: the node asked to store each stage's final state"""
@@ -253,10 +263,12 @@ class StepState(_message.Message):
         phase: Global___StepState.Phase.ValueType = ...,
         samples: _builtins.int = ...,
         save_from: _abc.Iterable[_builtins.str] | None = ...,
+        trains_on: _builtins.int = ...,
+        ahead: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["phase", b"phase", "samples", b"samples", "save_from", b"save_from", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead", b"ahead", "phase", b"phase", "samples", b"samples", "save_from", b"save_from", "step", b"step", "trains_on", b"trains_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -208,6 +208,7 @@ class LeaseReply(_message.Message):
     SAMPLE_COUNT_FIELD_NUMBER: _builtins.int
     REPLAY_FIELD_NUMBER: _builtins.int
     EVAL_FIELD_NUMBER: _builtins.int
+    TRAINS_ON_FIELD_NUMBER: _builtins.int
     status: Global___LeaseReply.Status.ValueType
     lease_id: _builtins.int
     step: _builtins.int
@@ -219,6 +220,10 @@ class LeaseReply(_message.Message):
     """Held-out samples to evaluate, forward only: sample_start indexes the held-out set,
     and the commit carries their loss without training on them.
     """
+    trains_on: _builtins.int
+    """The parameters the lease's step trains on, as the number of optimizer steps applied
+    to them (train.step_overlap: `step` - 1 for an overlapped step; absent: `step`).
+    """
     def __init__(
         self,
         *,
@@ -229,12 +234,15 @@ class LeaseReply(_message.Message):
         sample_count: _builtins.int = ...,
         replay: _builtins.bool = ...,
         eval: _builtins.bool = ...,
+        trains_on: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_trains_on", b"_trains_on", "trains_on", b"trains_on"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["eval", b"eval", "lease_id", b"lease_id", "replay", b"replay", "sample_count", b"sample_count", "sample_start", b"sample_start", "status", b"status", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_trains_on", b"_trains_on", "eval", b"eval", "lease_id", b"lease_id", "replay", b"replay", "sample_count", b"sample_count", "sample_start", b"sample_start", "status", b"status", "step", b"step", "trains_on", b"trains_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__trains_on: _TypeAlias = _typing.Literal["trains_on"]  # noqa: Y015
+    _WhichOneofArgType__trains_on: _TypeAlias = _typing.Literal["_trains_on", b"_trains_on"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__trains_on) -> _WhichOneofReturnType__trains_on | None: ...
 
 Global___LeaseReply: _TypeAlias = LeaseReply  # noqa: Y015
 
@@ -437,6 +445,7 @@ class StepRecord(_message.Message):
     SECONDS_FIELD_NUMBER: _builtins.int
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     ELAPSED_S_FIELD_NUMBER: _builtins.int
+    TRAINS_ON_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     loss: _builtins.float
     """mean token loss over the step's samples"""
@@ -446,6 +455,10 @@ class StepRecord(_message.Message):
     samples_per_second: _builtins.float
     elapsed_s: _builtins.float
     """from the opening of step 0 to the end of this step"""
+    trains_on: _builtins.int
+    """The parameters the step trained on: after `trains_on` optimizer steps (`step`, or
+    `step` - 1 for a step opened early under train.step_overlap).
+    """
     def __init__(
         self,
         *,
@@ -455,10 +468,11 @@ class StepRecord(_message.Message):
         seconds: _builtins.float = ...,
         samples_per_second: _builtins.float = ...,
         elapsed_s: _builtins.float = ...,
+        trains_on: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "seconds", b"seconds", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "seconds", b"seconds", "step", b"step", "trains_on", b"trains_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -474,13 +488,16 @@ class EvalRecord(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     ELAPSED_S_FIELD_NUMBER: _builtins.int
+    TRAINS_ON_FIELD_NUMBER: _builtins.int
     step: _builtins.int
-    """measured on the parameters after `step` optimizer steps"""
+    """the step whose evaluation leases measured it"""
     loss: _builtins.float
     """mean token loss over the held-out samples"""
     tokens: _builtins.int
     elapsed_s: _builtins.float
     """from the opening of step 0 to the end of this evaluation"""
+    trains_on: _builtins.int
+    """the parameters measured: after this many optimizer steps"""
     def __init__(
         self,
         *,
@@ -488,10 +505,11 @@ class EvalRecord(_message.Message):
         loss: _builtins.float = ...,
         tokens: _builtins.int = ...,
         elapsed_s: _builtins.float = ...,
+        trains_on: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "loss", b"loss", "step", b"step", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "loss", b"loss", "step", b"step", "tokens", b"tokens", "trains_on", b"trains_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1154,12 +1172,17 @@ class SyncInfoReply(_message.Message):
     APPLYING_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """the coordinator's current step"""
     applying: _builtins.bool
     """`step` is being applied: a joiner must hold step + 1"""
     done: _builtins.bool
     """the run has finished"""
+    target: _builtins.int
+    """The step whose state a joiner must hold: `step` + `applying`, or later under
+    train.step_overlap while the open steps train on older parameters than that state.
+    """
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[_control_pb2.Replica]:
         """serving replicas of the node's stage"""
@@ -1171,12 +1194,15 @@ class SyncInfoReply(_message.Message):
         applying: _builtins.bool = ...,
         done: _builtins.bool = ...,
         replicas: _abc.Iterable[_control_pb2.Replica] | None = ...,
+        target: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_target", b"_target", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applying", b"applying", "done", b"done", "replicas", b"replicas", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_target", b"_target", "applying", b"applying", "done", b"done", "replicas", b"replicas", "step", b"step", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__target: _TypeAlias = _typing.Literal["target"]  # noqa: Y015
+    _WhichOneofArgType__target: _TypeAlias = _typing.Literal["_target", b"_target"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__target) -> _WhichOneofReturnType__target | None: ...
 
 Global___SyncInfoReply: _TypeAlias = SyncInfoReply  # noqa: Y015
 

@@ -26,7 +26,7 @@ from swarmpipe.protos import state_pb2 as swarmpipe_dot_protos_dot_state__pb2
 from swarmpipe.protos import tensor_pb2 as swarmpipe_dot_protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmpipe/protos/stage.proto\x12\x0cswarmpipe.v1\x1a\x1cswarmpipe/protos/state.proto\x1a\x1dswarmpipe/protos/tensor.proto\"\xa4\x02\n\x10MicrobatchHeader\x12\x15\n\rmicrobatch_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x14\n\x0csample_start\x18\x04 \x01(\x04\x12\x14\n\x0csample_count\x18\x05 \x01(\r\x12\x13\n\x0borigin_node\x18\x06 \x01(\t\x12\x0e\n\x06labels\x18\x07 \x01(\x0c\x12\x0f\n\x07\x63ontext\x18\x08 \x01(\r\x12+\n\x0egradient_codec\x18\t \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\x0b\n\x03hop\x18\n \x01(\r\x12\x13\n\x0bsender_node\x18\x0b \x01(\t\x12\x14\n\x0c\x66irst_tokens\x18\r \x01(\x0c\x12\x0c\n\x04\x65val\x18\x14 \x01(\x08J\x04\x08\x0c\x10\r\"\xa8\x01\n\x0e\x46orwardMessage\x12\x34\n\nmicrobatch\x18\x01 \x01(\x0b\x32\x1e.swarmpipe.v1.MicrobatchHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x42\x06\n\x04kind\"I\n\x10MicrobatchResult\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x13\n\x0bstages_done\x18\x03 \x01(\r\"\xa5\x01\n\x0f\x42\x61\x63kwardMessage\x12,\n\x06tensor\x18\x01 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.swarmpipe.v1.MicrobatchResultH\x00\x42\x06\n\x04kind\"k\n\x0cReduceHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bsender_node\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x17\n\x0fparameter_delta\x18\x05 \x01(\x08\"o\n\x0eReduceManifest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bsender_node\x18\x02 \x01(\t\x12\x10\n\x08received\x18\x03 \x03(\t\x12\x17\n\x0fparameter_delta\x18\x04 \x01(\x08\x12\x0f\n\x07\x64igests\x18\x05 \x03(\x0c\"\xd1\x01\n\rReduceMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmpipe.v1.ReduceHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x12\x30\n\x08manifest\x18\x04 \x01(\x0b\x32\x1c.swarmpipe.v1.ReduceManifestH\x00\x42\x06\n\x04kind\"\r\n\x0bReduceReply\"\x12\n\x10StageInfoRequest\"v\n\x0eStageInfoReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x0f\n\x07serving\x18\x06 \x01(\x08\"E\n\x11\x46\x65tchStateRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x10\n\x08min_step\x18\x03 \x01(\x04\x32\xaa\x02\n\x05Stage\x12J\n\x07\x46orward\x12\x1c.swarmpipe.v1.ForwardMessage\x1a\x1d.swarmpipe.v1.BackwardMessage(\x01\x30\x01\x12\x42\n\x06Reduce\x12\x1b.swarmpipe.v1.ReduceMessage\x1a\x19.swarmpipe.v1.ReduceReply(\x01\x12\x44\n\x04Info\x12\x1e.swarmpipe.v1.StageInfoRequest\x1a\x1c.swarmpipe.v1.StageInfoReply\x12K\n\nFetchState\x12\x1f.swarmpipe.v1.FetchStateRequest\x1a\x1a.swarmpipe.v1.StateMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmpipe/protos/stage.proto\x12\x0cswarmpipe.v1\x1a\x1cswarmpipe/protos/state.proto\x1a\x1dswarmpipe/protos/tensor.proto\"\xca\x02\n\x10MicrobatchHeader\x12\x15\n\rmicrobatch_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x14\n\x0csample_start\x18\x04 \x01(\x04\x12\x14\n\x0csample_count\x18\x05 \x01(\r\x12\x13\n\x0borigin_node\x18\x06 \x01(\t\x12\x0e\n\x06labels\x18\x07 \x01(\x0c\x12\x0f\n\x07\x63ontext\x18\x08 \x01(\r\x12+\n\x0egradient_codec\x18\t \x01(\x0e\x32\x13.swarmpipe.v1.Codec\x12\x0b\n\x03hop\x18\n \x01(\r\x12\x13\n\x0bsender_node\x18\x0b \x01(\t\x12\x14\n\x0c\x66irst_tokens\x18\r \x01(\x0c\x12\x0c\n\x04\x65val\x18\x14 \x01(\x08\x12\x16\n\ttrains_on\x18\x15 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_trains_onJ\x04\x08\x0c\x10\r\"\xa8\x01\n\x0e\x46orwardMessage\x12\x34\n\nmicrobatch\x18\x01 \x01(\x0b\x32\x1e.swarmpipe.v1.MicrobatchHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x42\x06\n\x04kind\"I\n\x10MicrobatchResult\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x13\n\x0bstages_done\x18\x03 \x01(\r\"\xa5\x01\n\x0f\x42\x61\x63kwardMessage\x12,\n\x06tensor\x18\x01 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.swarmpipe.v1.MicrobatchResultH\x00\x42\x06\n\x04kind\"k\n\x0cReduceHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bsender_node\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\x17\n\x0fparameter_delta\x18\x05 \x01(\x08\"o\n\x0eReduceManifest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bsender_node\x18\x02 \x01(\t\x12\x10\n\x08received\x18\x03 \x03(\t\x12\x17\n\x0fparameter_delta\x18\x04 \x01(\x08\x12\x0f\n\x07\x64igests\x18\x05 \x03(\x0c\"\xd1\x01\n\rReduceMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmpipe.v1.ReduceHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.swarmpipe.v1.TensorHeaderH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.swarmpipe.v1.TensorChunkH\x00\x12\x30\n\x08manifest\x18\x04 \x01(\x0b\x32\x1c.swarmpipe.v1.ReduceManifestH\x00\x42\x06\n\x04kind\"\r\n\x0bReduceReply\"\x12\n\x10StageInfoRequest\"v\n\x0eStageInfoReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x0f\n\x07serving\x18\x06 \x01(\x08\"E\n\x11\x46\x65tchStateRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x10\n\x08min_step\x18\x03 \x01(\x04\x32\xaa\x02\n\x05Stage\x12J\n\x07\x46orward\x12\x1c.swarmpipe.v1.ForwardMessage\x1a\x1d.swarmpipe.v1.BackwardMessage(\x01\x30\x01\x12\x42\n\x06Reduce\x12\x1b.swarmpipe.v1.ReduceMessage\x1a\x19.swarmpipe.v1.ReduceReply(\x01\x12\x44\n\x04Info\x12\x1e.swarmpipe.v1.StageInfoRequest\x1a\x1c.swarmpipe.v1.StageInfoReply\x12K\n\nFetchState\x12\x1f.swarmpipe.v1.FetchStateRequest\x1a\x1a.swarmpipe.v1.StateMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmpipe.protos.stage_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MICROBATCHHEADER']._serialized_start=108
-  _globals['_MICROBATCHHEADER']._serialized_end=400
-  _globals['_FORWARDMESSAGE']._serialized_start=403
-  _globals['_FORWARDMESSAGE']._serialized_end=571
-  _globals['_MICROBATCHRESULT']._serialized_start=573
-  _globals['_MICROBATCHRESULT']._serialized_end=646
-  _globals['_BACKWARDMESSAGE']._serialized_start=649
-  _globals['_BACKWARDMESSAGE']._serialized_end=814
-  _globals['_REDUCEHEADER']._serialized_start=816
-  _globals['_REDUCEHEADER']._serialized_end=923
-  _globals['_REDUCEMANIFEST']._serialized_start=925
-  _globals['_REDUCEMANIFEST']._serialized_end=1036
-  _globals['_REDUCEMESSAGE']._serialized_start=1039
-  _globals['_REDUCEMESSAGE']._serialized_end=1248
-  _globals['_REDUCEREPLY']._serialized_start=1250
-  _globals['_REDUCEREPLY']._serialized_end=1263
-  _globals['_STAGEINFOREQUEST']._serialized_start=1265
-  _globals['_STAGEINFOREQUEST']._serialized_end=1283
-  _globals['_STAGEINFOREPLY']._serialized_start=1285
-  _globals['_STAGEINFOREPLY']._serialized_end=1403
-  _globals['_FETCHSTATEREQUEST']._serialized_start=1405
-  _globals['_FETCHSTATEREQUEST']._serialized_end=1474
-  _globals['_STAGE']._serialized_start=1477
-  _globals['_STAGE']._serialized_end=1775
+  _globals['_MICROBATCHHEADER']._serialized_end=438
+  _globals['_FORWARDMESSAGE']._serialized_start=441
+  _globals['_FORWARDMESSAGE']._serialized_end=609
+  _globals['_MICROBATCHRESULT']._serialized_start=611
+  _globals['_MICROBATCHRESULT']._serialized_end=684
+  _globals['_BACKWARDMESSAGE']._serialized_start=687
+  _globals['_BACKWARDMESSAGE']._serialized_end=852
+  _globals['_REDUCEHEADER']._serialized_start=854
+  _globals['_REDUCEHEADER']._serialized_end=961
+  _globals['_REDUCEMANIFEST']._serialized_start=963
+  _globals['_REDUCEMANIFEST']._serialized_end=1074
+  _globals['_REDUCEMESSAGE']._serialized_start=1077
+  _globals['_REDUCEMESSAGE']._serialized_end=1286
+  _globals['_REDUCEREPLY']._serialized_start=1288
+  _globals['_REDUCEREPLY']._serialized_end=1301
+  _globals['_STAGEINFOREQUEST']._serialized_start=1303
+  _globals['_STAGEINFOREQUEST']._serialized_end=1321
+  _globals['_STAGEINFOREPLY']._serialized_start=1323
+  _globals['_STAGEINFOREPLY']._serialized_end=1441
+  _globals['_FETCHSTATEREQUEST']._serialized_start=1443
+  _globals['_FETCHSTATEREQUEST']._serialized_end=1512
+  _globals['_STAGE']._serialized_start=1515
+  _globals['_STAGE']._serialized_end=1813
 # @@protoc_insertion_point(module_scope)

@@ -38,6 +38,7 @@ class MicrobatchHeader(_message.Message):
     SENDER_NODE_FIELD_NUMBER: _builtins.int
     FIRST_TOKENS_FIELD_NUMBER: _builtins.int
     EVAL_FIELD_NUMBER: _builtins.int
+    TRAINS_ON_FIELD_NUMBER: _builtins.int
     microbatch_id: _builtins.str
     """unique per attempt chain; reused on resend"""
     step: _builtins.int
@@ -68,6 +69,10 @@ class MicrobatchHeader(_message.Message):
     """
     eval: _builtins.bool
     """Forward only, for a held-out loss: no stage saves activations or returns a gradient."""
+    trains_on: _builtins.int
+    """The parameters the step trains on (LeaseReply.trains_on, which the head copies): every
+    stage computes the microbatch on that version. Absent: `step`, the synchronous rule.
+    """
     def __init__(
         self,
         *,
@@ -84,12 +89,15 @@ class MicrobatchHeader(_message.Message):
         sender_node: _builtins.str = ...,
         first_tokens: _builtins.bytes = ...,
         eval: _builtins.bool = ...,
+        trains_on: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_trains_on", b"_trains_on", "trains_on", b"trains_on"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "eval", b"eval", "first_tokens", b"first_tokens", "gradient_codec", b"gradient_codec", "hop", b"hop", "labels", b"labels", "lease_id", b"lease_id", "microbatch_id", b"microbatch_id", "origin_node", b"origin_node", "sample_count", b"sample_count", "sample_start", b"sample_start", "sender_node", b"sender_node", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_trains_on", b"_trains_on", "context", b"context", "eval", b"eval", "first_tokens", b"first_tokens", "gradient_codec", b"gradient_codec", "hop", b"hop", "labels", b"labels", "lease_id", b"lease_id", "microbatch_id", b"microbatch_id", "origin_node", b"origin_node", "sample_count", b"sample_count", "sample_start", b"sample_start", "sender_node", b"sender_node", "step", b"step", "trains_on", b"trains_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__trains_on: _TypeAlias = _typing.Literal["trains_on"]  # noqa: Y015
+    _WhichOneofArgType__trains_on: _TypeAlias = _typing.Literal["_trains_on", b"_trains_on"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__trains_on) -> _WhichOneofReturnType__trains_on | None: ...
 
 Global___MicrobatchHeader: _TypeAlias = MicrobatchHeader  # noqa: Y015
 

@@ -34,7 +34,7 @@ from swarmpipe.control import link_control
 from swarmpipe.control.bus import BrokerAddress, parse_broker_url
 from swarmpipe.control.status_view import sample_counters
 from swarmpipe.coordinator.admission import load_or_create_admin_token
-from swarmpipe.coordinator.summary import summary_lines
+from swarmpipe.coordinator.summary import busy_seconds, summary_lines
 from swarmpipe.coordinator.tokens import TokenStore
 from swarmpipe.errors import ConfigError, SwarmpipeError
 from swarmpipe.node.main import TOKEN_ENV
@@ -674,7 +674,8 @@ def progress_line(status: coordinator_pb2.StatusReply, bytes_per_second: float) 
     if status.steps:
         last = status.steps[-1]
         recent = status.steps[-5:]
-        sps = sum(s.samples for s in recent) / max(sum(s.seconds for s in recent), 1e-9)
+        busy = busy_seconds((s.elapsed_s - s.seconds, s.elapsed_s) for s in recent)
+        sps = sum(s.samples for s in recent) / max(busy, 1e-9)
         loss = f"loss {last.loss:.4f}"
     else:
         sps, loss = 0.0, "loss -"
@@ -736,14 +737,23 @@ def build_report(
             "seconds": s.seconds,
             "samples_per_second": s.samples_per_second,
             "elapsed_s": s.elapsed_s,
+            # The parameters the step trained on, in optimizer steps applied: its own number,
+            # or one less for a step opened early (train.step_overlap).
+            "trains_on": s.trains_on,
         }
         for s in status.steps
     ]
     evals = [
-        {"step": e.step, "loss": e.loss, "tokens": e.tokens, "elapsed_s": e.elapsed_s}
+        {
+            "step": e.step,
+            "loss": e.loss,
+            "tokens": e.tokens,
+            "elapsed_s": e.elapsed_s,
+            "trains_on": e.trains_on,
+        }
         for e in status.evals
     ]
-    train_seconds = sum(s["seconds"] for s in steps)
+    train_seconds = busy_seconds((s["elapsed_s"] - s["seconds"], s["elapsed_s"]) for s in steps)
     c = status.counters
     return {
         "format": "swarmpipe.testnet/1",

@@ -67,6 +67,11 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         (["pipeline.reduce_codec=zip"], "pipeline.reduce_codec='zip' is not one of"),
         (["pipeline.hop_timeout_min_s=200"], "at most pipeline.hop_timeout_s"),
         (["pipeline.diloco_inner_steps=0"], "diloco_inner_steps must be >= 1"),
+        (
+            ["train.step_overlap=true", "pipeline.sync=diloco"],
+            'train.step_overlap needs pipeline.sync = "every_step"',
+        ),
+        (["train.step_overlap=maybe"], "train.step_overlap must be bool"),
         (["pipeline.diloco_outer_momentum=1.0"], "must be in [0, 1)"),
         (['pipeline.auto_gradient_codecs=["int8", "zip"]'], "('zip' unknown)"),
         (['pipeline.auto_activation_codecs=["int8", "int8"]'], "must list distinct codecs"),

@@ -8,8 +8,8 @@ from swarmpipe.bench.latency import _link_bound, cycle_samples_per_second
 
 
 def test_samples_per_second_counts_the_boundaries_and_skips_step_0() -> None:
-    # Steps open at 0, 3, 5, 7 s; each trains 1.5 s. Steps 1 and 2 make whole cycles:
-    # 64 samples in the 4 s from step 1's opening to step 3's.
+    # Steps open at 0, 3, 5, 7 s; each trains 1.5 s. Steps 2 and 3 make whole cycles:
+    # 64 samples in the 4 s from step 1's last commit to step 3's.
     report = {
         "steps": [
             {"samples": 32, "seconds": 1.5, "elapsed_s": opened + 1.5}

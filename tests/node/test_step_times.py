@@ -63,3 +63,17 @@ def test_steps_before_apply_are_left_out_and_old_ones_forgotten() -> None:
     records = times.snapshot()
     assert [r.step for r in records] == list(range(6, KEEP_STEPS + 5))
     assert all(r.train_s == pytest.approx(1.0) for r in records)
+
+
+def test_a_step_that_began_before_the_last_was_acknowledged_has_no_next_wait() -> None:
+    # train.step_overlap: step 4's first forward comes while step 3 is still applied.
+    clock = Clock()
+    times = StepTimes(clock=clock)
+    times.forward_started(3)
+    clock.now += 1.0
+    times.forward_started(4)
+    times.apply_arrived(3)
+    clock.now += 0.1
+    times.acked(3)
+    [record] = [r for r in times.snapshot() if r.step == 3]
+    assert record.complete and record.next_s == 0.0
