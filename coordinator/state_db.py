@@ -43,6 +43,10 @@ from swarmpipe.errors import ConfigError
 
 DB_FILE = "coordinator.sqlite"
 FORMAT = "swarmpipe.coordinator-state/2"
+FORMAT_1 = "swarmpipe.coordinator-state/1"
+"""Before train.step_overlap: no step open ahead, every step on the parameters of its own
+number. Taken up by adding those facts (`_upgrade_from_1`), so a run the coordinator of an
+earlier release left goes on after an upgrade."""
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -88,6 +92,22 @@ CREATE TABLE checkpoints (
 );
 """
 _TABLES = {"meta", "protocol", "pending", "leases", "history", "members", "moves", "checkpoints"}
+
+
+def _upgrade_from_1(conn: sqlite3.Connection) -> None:
+    """Rewrite a format-1 database as format 2, in one transaction: no step open ahead,
+    pending samples belong to the current step, and each step trains on the parameters of
+    its own number (history's -1, which StepProtocol.trains_on reads as that)."""
+    with conn:
+        conn.execute("BEGIN")  # sqlite3 opens none before DDL by itself
+        conn.execute("ALTER TABLE protocol ADD COLUMN ahead INTEGER NOT NULL DEFAULT 0")
+        conn.execute("ALTER TABLE pending ADD COLUMN step INTEGER NOT NULL DEFAULT 0")
+        conn.execute("UPDATE pending SET step = (SELECT step FROM protocol WHERE id = 1)")
+        conn.execute("ALTER TABLE history ADD COLUMN trains_on INTEGER NOT NULL DEFAULT -1")
+        # The current step's evaluations still owed are protocol.eval_pending, which load
+        # takes when this is 0.
+        conn.execute("ALTER TABLE history ADD COLUMN eval_left INTEGER NOT NULL DEFAULT 0")
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'format'", (FORMAT,))
 
 
 class StateDBError(ConfigError):
@@ -179,6 +199,13 @@ class StateDB:
                 f"the state database {path} is corrupt ({check[0] if check else 'no answer'}); "
                 "move it away to start afresh"
             )
+        if _TABLES <= tables and meta.get("format") == FORMAT_1:
+            try:
+                _upgrade_from_1(conn)
+            except sqlite3.Error as exc:
+                conn.close()
+                raise StateDBError(f"cannot upgrade the state database {path}: {exc}") from exc
+            meta["format"] = FORMAT
         if not _TABLES <= tables or meta.get("format") != FORMAT:
             conn.close()
             raise StateDBError(f"{path} is not a swarmpipe coordinator state ({FORMAT})")

@@ -303,3 +303,33 @@ def test_a_coordinator_stopped_before_its_run_started_can_start_another(procs) -
             coordinator_pb2.StatusRequest(), timeout=10
         )
     assert status.total_steps == 7
+
+
+def test_a_database_of_the_format_before_step_overlap_is_taken_up(tmp_path: Path) -> None:
+    # A coordinator of the release before train.step_overlap wrote format 1, without the
+    # columns for a step open ahead; an upgrade mid-run goes on from it, as synchronous steps.
+    p, m, extras = _mid_run()
+    path = tmp_path / "c.sqlite"
+    db = StateDB.create(path, _config())
+    db.save(p, m, extras)
+    db.close()
+    conn = sqlite3.connect(path)
+    with conn:
+        for table, column in [("protocol", "ahead"), ("pending", "step"),
+                              ("history", "trains_on"), ("history", "eval_left")]:  # fmt: skip
+            conn.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        conn.execute("UPDATE meta SET value = 'swarmpipe.coordinator-state/1' WHERE key = 'format'")
+    conn.close()
+
+    again = StateDB.open(path)
+    q, n = _protocol(), _membership()
+    again.load(q, n)
+    assert (q.step, q.phase, q.next_lease_id) == (1, p.phase, p.next_lease_id)
+    assert [(r.start, r.count, r.replay, r.step) for r in q.pending_ranges()] == [
+        (r.start, r.count, r.replay, r.step) for r in p.pending_ranges()
+    ]
+    assert [q.trains_on(s.step) for s in q.history] == [s.step for s in p.history]
+    assert q.eval_pending == p.eval_pending
+    again.save(q, n, extras)  # and it is written as format 2 from then on
+    again.close()
+    assert StateDB.open(path).step == 1
