@@ -34,7 +34,7 @@ MICROBATCHES = ["train.global_batch=16", "train.microbatch=4"]
 
 
 def _testnet(out: Path, tiny: list[str], *flags: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--nodes", "3",
+    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--no-picture", "--nodes", "3",
            "--stages", "3", "--steps", "4", "--out", str(out), *flags]  # fmt: skip
     for s in [*tiny, *MICROBATCHES]:
         cmd += ["--set", s]

@@ -18,8 +18,11 @@ from tests.conftest import organiser_channel
 pytestmark = pytest.mark.timeout(300)
 
 
-def _start(out: Path, tiny: list[str], *extra: str) -> subprocess.Popen[str]:
+def _start(out: Path, tiny: list[str], *extra: str, picture: bool = False) -> subprocess.Popen[str]:
+    """`swarmpipe testnet`; report.png (about a CPU-second) only where a test looks at it."""
     cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--out", str(out), *extra]
+    if not picture:
+        cmd.append("--no-picture")
     for s in tiny:
         cmd += ["--set", s]
     return subprocess.Popen(
@@ -60,7 +63,7 @@ def _finish(popen: subprocess.Popen[str], timeout: float = 240) -> str:
 
 
 def test_testnet_trains_reports_and_leaves_nothing(tmp_path: Path, tiny: list[str]) -> None:
-    popen = _start(tmp_path, tiny, "--steps", "4", "--nodes", "3")
+    popen = _start(tmp_path, tiny, "--steps", "4", "--nodes", "3", picture=True)
     output = _finish(popen)
     assert popen.returncode == 0, output
     assert "samples/s" in output and "loss" in output  # live progress was shown
