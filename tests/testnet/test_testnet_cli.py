@@ -252,8 +252,9 @@ def test_a_stage_that_loses_its_last_replica_gets_a_node_moved_to_it(
 def test_node_profiles_make_one_node_slow_and_limit_anothers_links(
     tmp_path: Path, tiny: list[str]
 ) -> None:
+    # 6 steps: 24 microbatches a node, and the compute time is their median.
     popen = _start(
-        tmp_path, tiny, "--steps", "12", "--nodes", "3",
+        tmp_path, tiny, "--steps", "6", "--nodes", "3",
         "--node-profile", "n1=slow:5", "--node-profile", "n2=mbit:5,lat:30",
     )  # fmt: skip
     output = _finish(popen)
