@@ -36,7 +36,7 @@ if sys.platform.startswith("linux"):
 def die_with_parent() -> None:
     """`preexec_fn` of a child that must not outlive its parent: the kernel sends it SIGTERM
     when the parent dies (Linux; nothing elsewhere). prctl is looked up at import, so
-    between fork and exec the child makes this one call (the tests' daemons use it too)."""
+    between fork and exec the child makes this one call."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 

@@ -20,7 +20,6 @@ import grpc
 import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
-from swarmpipe.testnet.processes import die_with_parent
 from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CREDENTIAL_KEY, ROLE_COORDINATOR, RunKey
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,7 +182,6 @@ class Procs:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
         self.children.append((popen, log))
@@ -345,7 +343,6 @@ def run_mosquitto(conf: Path, settings: list[str]) -> Iterator[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
     )
     try:
 

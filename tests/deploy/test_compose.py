@@ -21,7 +21,6 @@ import yaml
 from swarmpipe.cli import build_parser
 from swarmpipe.control.bus import parse_broker_url
 from swarmpipe.process.ready import poll_until
-from swarmpipe.testnet.processes import die_with_parent
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -111,7 +110,6 @@ def compose_broker(compose: dict[str, Any]) -> Iterator[int]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
     )
     try:
 

@@ -17,7 +17,6 @@ import pytest
 from swarmpipe.control.bus import Topics, make_client, parse_broker_url
 from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import control_pb2, coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.testnet.processes import die_with_parent
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,11 +29,7 @@ def run_testnet(out: Path, settings: list[str], *flags: str) -> dict[str, Any]:
     for s in settings:
         cmd += ["--set", s]
     popen = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         output, _ = popen.communicate(timeout=500)

@@ -19,7 +19,6 @@ import aiomqtt
 import pytest
 
 from swarmpipe.control.bus import make_client, parse_broker_url
-from swarmpipe.testnet.processes import die_with_parent
 from swarmpipe.transport import tls
 from swarmpipe.transport.auth import CREDENTIAL_KEY, RunKey
 from tests.conftest import Procs, grpcurl_protos
@@ -40,11 +39,7 @@ def _testnet(out: Path, tiny: list[str], *flags: str) -> dict[str, Any]:
     for s in [*tiny, *MICROBATCHES]:
         cmd += ["--set", s]
     popen = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         output, _ = popen.communicate(timeout=300)

@@ -21,7 +21,6 @@ from swarmpipe.model import build_full_model, load_exported
 from swarmpipe.model.exported import read_exported_info
 from swarmpipe.model.reference import train_single_process
 from swarmpipe.storage.checkpoint_set import checkpoint_root, steps_by_stage
-from swarmpipe.testnet.processes import die_with_parent
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,11 +33,7 @@ def run_testnet(
     for s in [*tiny, *settings]:
         cmd += ["--set", s]
     popen = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         output, _ = popen.communicate(timeout=500)
@@ -301,7 +296,6 @@ def _swarmpipe(*args: str, timeout: float = 120) -> str:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
     )
     try:
         out, err = popen.communicate(timeout=timeout)

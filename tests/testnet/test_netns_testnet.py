@@ -22,7 +22,6 @@ from swarmpipe.errors import ConfigError
 from swarmpipe.process.ready import poll_until
 from swarmpipe.testnet import netns
 from swarmpipe.testnet.netns_commands import tag_for
-from swarmpipe.testnet.processes import die_with_parent
 
 try:
     netns.check_available()
@@ -70,7 +69,6 @@ def _start(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
     )
     testnets.append(popen)
     return popen

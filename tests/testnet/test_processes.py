@@ -1,8 +1,6 @@
 """testnet/processes.py: a child started with `die_with_parent` does not outlive its parent.
 
-The testnet's daemons and every daemon a test starts (tests/conftest.py) rely on it: a test
-run killed hard runs no teardown, and a swarm it left once trained on for an hour, taking
-most of a core from every test after it."""
+The testnet's daemons rely on it: a testnet killed hard runs no cleanup of its own."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
-from swarmpipe.testnet.processes import die_with_parent
 from tests.conftest import organiser_channel
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,12 +26,7 @@ def _start(out: Path, tiny: list[str], *extra: str, picture: bool = False) -> su
     for s in tiny:
         cmd += ["--set", s]
     return subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
 
 

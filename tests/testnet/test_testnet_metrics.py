@@ -24,7 +24,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmpipe.process.ready import read_ready_file
-from swarmpipe.testnet.processes import die_with_parent
 
 # About 6 s on a 2-core machine (four daemons importing torch is most of it), like the
 # testnet test beside it; far more when other work shares the cores, hence the timeout.
@@ -79,12 +78,7 @@ def test_scrapes_during_a_testnet_agree_with_its_report(tmp_path: Path, tiny: li
     for s in tiny:
         cmd += ["--set", s]
     popen = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=die_with_parent,  # noqa: PLW1509 - one prepared prctl call
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         live = _scrape_while_running(popen, tmp_path)
