@@ -71,6 +71,7 @@ def run_testnet(
             "WARNING",
             "testnet",
             "--quiet",
+            "--no-picture",  # the folder is deleted below
             "--nodes",
             str(nodes),
             "--steps",

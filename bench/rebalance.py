@@ -296,6 +296,7 @@ def serve(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, overrides: list[str], out: Path) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "swarmpipe", "--log-level", "WARNING", "testnet", "--quiet",
+        "--no-picture",  # the folder is a temporary one
         "--nodes", str(args.nodes), "--stages", str(args.stages), "--steps", str(args.steps),
         "--link-mbit", f"{args.mbit:g}", "--threads", str(args.threads), "--out", str(out),
         # A step that waits on a fallen link takes long on a loaded host: not a stall.

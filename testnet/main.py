@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress lines")
     parser.add_argument(
+        "--no-picture",
+        action="store_true",
+        help="write report.json only, not report.png (drawing it costs about a CPU-second; "
+        "python -m swarmpipe.testnet.picture OUT/report.json draws it later)",
+    )
+    parser.add_argument(
         "--device",
         default="",
         metavar="auto|cpu|cuda|cuda:N",
@@ -210,7 +216,8 @@ async def serve(args: argparse.Namespace) -> int:
     if not args.quiet and runner.final_status is not None:
         print("\n".join(summary_lines(runner.final_status)))
     print(f"report: {path}")
-    write_picture(report, out / "report.png")
+    if not args.no_picture:
+        write_picture(report, out / "report.png")
     return 0
 
 

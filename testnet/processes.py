@@ -27,11 +27,18 @@ COORDINATOR = "coordinator"
 """The coordinator child's name (a churn schedule may kill and start it like a node)."""
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+_prctl: Callable[..., int] | None = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError, AttributeError):
+        _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of a child that must not outlive its parent: the kernel sends it SIGTERM
+    when the parent dies (Linux; nothing elsewhere). prctl is looked up at import, so
+    between fork and exec the child makes this one call."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -111,7 +118,7 @@ class ProcessGroup:
                 stderr=subprocess.STDOUT,
                 env=full_env,
                 start_new_session=True,  # Ctrl-C reaches the testnet, which stops children in order
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - needed for PDEATHSIG
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - needed for PDEATHSIG
             )
         child = Child(name, popen, log_path, ready)
         self.children.append(child)

@@ -39,6 +39,17 @@ TINY = [
 ]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in the test processes and the children they start, unless the caller
+    set OMP_NUM_THREADS: torch's default pool, a thread per core, spins against the other
+    worker and the node daemons on a shared 2-core machine. The tiny model's 10-step
+    single-process baseline took 50 s so under load, and 7 s on one thread. Before
+    collection, so before any test module imports torch (xdist's workers inherit it)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:  # a plugin got there first: the variable came too late
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the modules that hold slow tests first, each in its own order, the rest after.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import subprocess
@@ -78,6 +79,13 @@ def _exhaustive(nodes: dict[str, NodeCaps], stages: tuple[StageSpec, ...]) -> tu
     return best, safe
 
 
+@functools.cache
+def _optimum(seed: int, n: int, s: int) -> tuple[float, float]:
+    """`_exhaustive` of fleet (seed, n, s), searched once: three tests hold plans to it, and
+    the 4**8 assignments of the largest fleets are most of their time."""
+    return _exhaustive(*_fleet(seed, n, s))
+
+
 SHAPES = [(n, s) for s in range(1, 5) for n in range(s, 9)]
 SEEDS = range(10)
 
@@ -87,7 +95,7 @@ def test_plan_is_within_5_percent_of_the_exhaustive_optimum() -> None:
     for seed, (n, s) in itertools.product(SEEDS, SHAPES):
         nodes, stages = _fleet(seed, n, s)
         got = throughput_bound(plan(nodes.values(), stages, NO_SAFETY), nodes, stages)
-        best, _ = _exhaustive(nodes, stages)
+        best, _ = _optimum(seed, n, s)
         assert got >= 0.95 * best, (seed, n, s, got, best)
         worst = min(worst, got / best)
     print(f"worst plan / optimum over {len(SEEDS) * len(SHAPES)} fleets: {worst:.6f}")
@@ -98,7 +106,7 @@ def test_the_relaxed_bound_is_never_below_the_optimum() -> None:
         nodes, stages = _fleet(seed, n, s)
         rows = [[effective_rate(node, stages, t) for t in range(s)] for node in nodes.values()]
         upper, weights = relaxed_upper_bound(rows)
-        assert upper >= _exhaustive(nodes, stages)[0] * (1 - 1e-9)
+        assert upper >= _optimum(seed, n, s)[0] * (1 - 1e-9)
         assert abs(sum(weights) - 1) < 1e-9
 
 
@@ -108,7 +116,7 @@ def test_safety_gives_second_replicas_within_its_tolerance() -> None:
         nodes, stages = _fleet(seed, n, s)
         assignment = plan(nodes.values(), stages, policy)
         got = throughput_bound(assignment, nodes, stages)
-        best, safe_best = _exhaustive(nodes, stages)
+        best, safe_best = _optimum(seed, n, s)
         assert got >= 0.95 * (1 - policy.safety_tolerance) * best
         counts = [list(assignment.values()).count(stage) for stage in range(s)]
         if min(counts) >= 2:

@@ -53,7 +53,11 @@ def _listed(*args: str) -> list[str]:
 def test_grpcurl_without_credentials_is_unauthenticated_everywhere_but_health(
     procs: Procs, tiny: list[str]
 ) -> None:
-    coordinator, token, _ = _closed_run(procs, *tiny, "pipeline.stages=2", "train.steps=1000")
+    # 100 ms each way between the stages: the swarm runs through the grpcurl calls without
+    # burning both cores meanwhile.
+    coordinator, token, _ = _closed_run(
+        procs, *tiny, "pipeline.stages=2", "train.steps=1000", "pipeline.link_latency_ms=100"
+    )
     env = {"SWARMPIPE_TOKEN": token}
     procs.node("n0", coordinator, env=env)
     _, info = procs.node("n1", coordinator, env=env)

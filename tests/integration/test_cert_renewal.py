@@ -25,8 +25,14 @@ def test_nodes_renew_their_certificates_and_train_past_the_first_ones_expiry(
     procs: Procs, tiny: list[str]
 ) -> None:
     state = procs.tmp / "coordinator-state"
+    # The wait is for the clock, not for steps: 100 ms each way between the stages keeps
+    # the swarm training a few steps a second, not burning both cores for a minute (with
+    # the other pytest worker's tests on them).
     coordinator, ca_file, info, _ = procs.tls_pair(
-        *tiny, "train.steps=1000000", "coordinator.node_cert_hours=0.01"
+        *tiny,
+        "train.steps=1000000",
+        "coordinator.node_cert_hours=0.01",
+        "pipeline.link_latency_ms=100",
     )
     joined = time.monotonic()
 

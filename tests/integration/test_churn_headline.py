@@ -107,7 +107,9 @@ def test_a_stage_left_with_one_replica_while_another_has_three_gets_a_second(pro
     every stage still has two replicas (as when it registers before the coordinator has seen
     the death of the node it replaces), then a replica of another stage dies. The
     coordinator moves a replica there at once (every node is inside its cool-down)."""
-    steps = 600
+    # STEPS, as above: one process start and a move come before the end here, where the
+    # headline test needs three starts after kills as late as step 13.
+    steps = STEPS
     settings = [*tiny, EVEN_STAGES, "pipeline.stages=3", f"train.steps={steps}"]
     target = procs.coordinator(*settings, "coordinator.min_nodes=6")
     nodes = procs.nodes(6, target)

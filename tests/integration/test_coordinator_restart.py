@@ -26,6 +26,7 @@ STEPS = 40
 
 def _testnet(out: Path, tiny: list[str], *extra: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--out", str(out), "--quiet"]
+    cmd.append("--no-picture")
     cmd += ["--nodes", "3", "--stages", "3", "--steps", str(STEPS), *extra]
     for s in tiny:
         cmd += ["--set", s]

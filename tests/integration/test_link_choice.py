@@ -24,7 +24,8 @@ AUTO = ["pipeline.activation_codec=auto", "pipeline.gradient_codec=auto"]
 
 
 def run_testnet(out: Path, settings: list[str], *flags: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--out", str(out), *flags]
+    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--no-picture",
+           "--out", str(out), *flags]  # fmt: skip
     for s in settings:
         cmd += ["--set", s]
     popen = subprocess.Popen(

@@ -58,6 +58,10 @@ def swarm(module_procs, tiny_settings) -> dict[str, Any]:  # type: ignore[no-unt
         "train.eval_samples=8",
         "coordinator.min_nodes=3",
         "checkpoint.every_steps=0",
+        # The tests read a running swarm: 100 ms each way between the stages keeps it
+        # stepping a few times a second instead of burning both cores (compute rates, and so
+        # the bottleneck, are measured inside each node, without the delay).
+        "pipeline.link_latency_ms=100",
     )
     nodes = module_procs.nodes(3, coordinator)
     poll_until(lambda: _measured(coordinator), 90, "every node to serve and measure itself")

@@ -34,7 +34,7 @@ MICROBATCHES = ["train.global_batch=16", "train.microbatch=4"]
 
 
 def _testnet(out: Path, tiny: list[str], *flags: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--nodes", "3",
+    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--no-picture", "--nodes", "3",
            "--stages", "3", "--steps", "4", "--out", str(out), *flags]  # fmt: skip
     for s in [*tiny, *MICROBATCHES]:
         cmd += ["--set", s]
@@ -81,8 +81,11 @@ def test_grpcurl_needs_tls_and_a_node_needs_a_client_certificate_of_the_caller(
     procs: Procs, tiny: list[str]
 ) -> None:
     # Steps enough that the run outlasts the checks (1000 tiny steps once ended first and
-    # the nodes left: "connection refused"); the fixture stops it.
-    coordinator, ca_file, info, token = procs.tls_pair(*tiny, "train.steps=1000000")
+    # the nodes left: "connection refused"); the fixture stops it. 100 ms each way between
+    # the stages: the checks need a swarm that runs, not one that burns both cores meanwhile.
+    coordinator, ca_file, info, token = procs.tls_pair(
+        *tiny, "train.steps=1000000", "pipeline.link_latency_ms=100"
+    )
     state = procs.tmp / "coordinator-state"
     assert ca_file == str((state / "ca.pem").resolve())
     node = f"127.0.0.1:{info['grpc_port']}"

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.timeout(600)
 def run_testnet(
     out: Path, tiny: list[str] | tuple[str, ...], steps: int, *settings: str, nodes: int = 3
 ) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--nodes", str(nodes),
-           "--stages", "3", "--steps", str(steps), "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--quiet", "--no-picture", "--nodes",
+           str(nodes), "--stages", "3", "--steps", str(steps), "--out", str(out)]  # fmt: skip
     for s in [*tiny, *settings]:
         cmd += ["--set", s]
     popen = subprocess.Popen(
@@ -44,6 +44,7 @@ def run_testnet(
     text = output.decode(errors="replace")
     assert popen.returncode == 0, text
     assert f"report: {out / 'report.json'}" in text
+    assert "picture:" not in text and not (out / "report.png").exists()  # --no-picture
     report: dict[str, Any] = json.loads((out / "report.json").read_text())
     return report
 

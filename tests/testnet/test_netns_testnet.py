@@ -60,6 +60,7 @@ def _start(
     testnets: list[subprocess.Popen[str]], out: Path, tiny: list[str], *extra: str
 ) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--netns", "--quiet", "--out", str(out)]
+    cmd.append("--no-picture")
     for s in tiny:
         cmd += ["--set", s]
     popen = subprocess.Popen(

@@ -73,6 +73,7 @@ def _scrape_while_running(popen: subprocess.Popen[str], out: Path) -> dict[str, 
 @pytest.mark.slow
 def test_scrapes_during_a_testnet_agree_with_its_report(tmp_path: Path, tiny: list[str]) -> None:
     cmd = [sys.executable, "-m", "swarmpipe", "testnet", "--out", str(tmp_path), "--quiet"]
+    cmd.append("--no-picture")
     cmd += ["--steps", "10", "--nodes", "3", "--metrics"]
     for s in tiny:
         cmd += ["--set", s]
