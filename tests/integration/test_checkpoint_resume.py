@@ -1,4 +1,9 @@
-"""A stage loses its only replica: a fresh node resumes it from its checkpoint and the run ends."""
+"""A stage loses its only replica: a fresh node resumes it from its checkpoint and the run ends.
+
+Also under train.step_overlap: no step opens early while the stage is unserved (a current
+step on older parameters would start again on the newest: unit-tested in
+tests/coordinator/test_step_overlap.py, since which of the two a kill meets is timing), the
+fresh node enters at a drain point, and steps overlap again once it serves."""
 
 from __future__ import annotations
 
@@ -16,15 +21,20 @@ from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
-@pytest.mark.parametrize("shared_folder", [False, True], ids=["coordinator", "shared-folder"])
+@pytest.mark.parametrize(
+    ("shared_folder", "overlap"),
+    [(False, False), (True, False), (False, True)],
+    ids=["coordinator", "shared-folder", "step-overlap"],
+)
 def test_a_stage_without_replicas_resumes_from_its_checkpoint(  # type: ignore[no-untyped-def]
-    procs, tiny, tmp_path: Path, shared_folder: bool
+    procs, tiny, tmp_path: Path, shared_folder: bool, overlap: bool
 ) -> None:
     # The run stalls from the kill until n2 serves, so it cannot end early: 40 steps leave
     # room for a kill near step 10 on a loaded machine without 60 more steps to wait for.
     steps, every = 40, 5
     root = tmp_path / "shared" if shared_folder else tmp_path / "coordinator-state" / "checkpoints"
     settings = [f"checkpoint.dir={root}"] if shared_folder else []
+    settings += ["train.step_overlap=true"] if overlap else []
     coordinator = procs.coordinator(
         *tiny,
         *settings,
@@ -68,3 +78,11 @@ def test_a_stage_without_replicas_resumes_from_its_checkpoint(  # type: ignore[n
     n2 = next(n for n in final.nodes if n.node_id == "n2")
     assert n2.last_step == steps - 1
     assert len(final.steps) == steps
+    if overlap:
+        trains_on = {s.step: s.trains_on for s in final.steps}
+        entered = int(info["step"])
+        # The fresh node entered at a step that trains on the state it downloaded.
+        assert trains_on[entered] == entered, (entered, trains_on)
+        # Steps overlapped before the kill and again once the fresh node served.
+        assert any(trains_on[s] == s - 1 for s in range(1, killed_at)), trains_on
+        assert any(trains_on[s] == s - 1 for s in range(entered + 1, steps)), trains_on

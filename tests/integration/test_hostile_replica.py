@@ -30,16 +30,7 @@ STEPS = 6
 def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_reported(
     procs, tiny, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    settings = [*tiny, "pipeline.stages=1", f"train.steps={STEPS}", "coordinator.min_nodes=3"]
-    settings += ["checkpoint.every_steps=0", "pipeline.reduce_timeout_s=20"]
-    # Bench at the first verdict: the fastest replica leases most microbatches, and nx had
-    # traffic at one step of six in one run (the two-verdict rule is test_suspects.py's).
-    settings += ["robust.bench_verdicts=1"]
-    coordinator = procs.coordinator(*settings)
-    records = tmp_path / "records"
-    env = {"SWARMPIPE_RECORD_REDUCE": str(records), "SWARMPIPE_HOSTILE": "nx=scale:1000"}
-    for name in ("n0", "n1", "nx"):
-        procs.node(name, coordinator, env=env)
+    coordinator, records = _swarm_with_hostile(procs, tiny, tmp_path, "scale:1000", STEPS)
     channel = grpc.insecure_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
@@ -78,7 +69,7 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
     # Every reduce the honest replicas took part in: the same agreed inputs, nx dropped.
     steps = sorted(int(p.stem.split("-")[1]) for p in (records / "n0").glob("step-*.pt"))
     assert steps == list(range(STEPS))
-    replay = StageRuntime(load_config(None, settings), 0)
+    replay = StageRuntime(load_config(None, [*tiny, "pipeline.stages=1"]), 0)
     dropped: list[int] = []
     for step in steps:
         r0 = torch.load(records / "n0" / f"step-{step}.pt")
@@ -107,18 +98,13 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
 def test_a_replica_sending_noise_is_dropped_benched_and_the_honest_ones_stay_equal(
     procs, tiny, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    settings = [*tiny, "pipeline.stages=1", "train.steps=12", "coordinator.min_nodes=3"]
-    settings += ["checkpoint.every_steps=0", "pipeline.reduce_timeout_s=20"]
-    settings += ["robust.direction_sigmas=3", "robust.bench_verdicts=1"]
-    # Eight microbatches a step, not four: the fastest replica leases what it can, and nx had
-    # traffic at one step of eight in one run and at none after step 0 (not judged) in another.
-    # And one in flight a head, so each of the three leases its share of every step.
-    settings += ["train.microbatch=2", "pipeline.in_flight=1"]
-    coordinator = procs.coordinator(*settings)
-    records = tmp_path / "records"
-    env = {"SWARMPIPE_RECORD_REDUCE": str(records), "SWARMPIPE_HOSTILE": "nx=noise"}
-    for name in ("n0", "n1", "nx"):
-        procs.node(name, coordinator, env=env)
+    # Eight microbatches a step, not four, and one in flight a head: the fastest replica
+    # leases what it can, and nx had traffic at one step of eight in one run and at none
+    # after step 0 (not judged) in another.
+    coordinator, records = _swarm_with_hostile(
+        procs, tiny, tmp_path, "noise", 12,
+        "robust.direction_sigmas=3", "train.microbatch=2", "pipeline.in_flight=1",
+    )  # fmt: skip
     channel = grpc.insecure_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
@@ -145,3 +131,24 @@ def test_a_replica_sending_noise_is_dropped_benched_and_the_honest_ones_stay_equ
     honest = [n for n in final.nodes if n.node_id in ("n0", "n1")]
     assert len({n.param_digest for n in honest}) == 1
     assert all(n.last_step == 11 for n in honest)
+
+
+def _swarm_with_hostile(  # type: ignore[no-untyped-def]
+    procs, tiny, tmp_path: Path, mode: str, steps: int, *settings: str
+) -> tuple[str, Path]:
+    """A coordinator and three replicas of one stage, n0, n1 and the hostile nx, each
+    recording the contributions it agreed on; the coordinator's address and the records."""
+    coordinator = procs.coordinator(
+        *tiny, "pipeline.stages=1", f"train.steps={steps}", "coordinator.min_nodes=3",
+        "checkpoint.every_steps=0", "pipeline.reduce_timeout_s=20",
+        # Bench at the first verdict: the fastest replica leases most microbatches, and nx
+        # had traffic at one step of six in one run (the two-verdict rule is
+        # test_suspects.py's).
+        "robust.bench_verdicts=1",
+        *settings,
+    )  # fmt: skip
+    records = tmp_path / "records"
+    env = {"SWARMPIPE_RECORD_REDUCE": str(records), "SWARMPIPE_HOSTILE": f"nx={mode}"}
+    for name in ("n0", "n1", "nx"):
+        procs.node(name, coordinator, env=env)
+    return coordinator, records

@@ -10,7 +10,7 @@ import pytest
 
 from swarmpipe.config import load_config
 from swarmpipe.model.reference import train_single_process
-from tests.integration.test_training import run_testnet
+from tests.integration.test_training import assert_losses_match, run_testnet
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,13 +42,7 @@ def test_overlapped_lossless_pipeline_matches_the_same_rule_in_one_process(
     config = load_config(None, [*tiny, *SETTINGS, "train.steps=10"])
     want_evals: list[tuple[int, float]] = []
     baseline = train_single_process(config, evals=want_evals, trains_on=trains_on)
-    losses = [s["loss"] for s in report["steps"]]
-    for step, (got, want) in enumerate(zip(losses, baseline, strict=True)):
-        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
-    got_evals = [(e["step"], e["loss"]) for e in report["evals"]]
-    assert [s for s, _ in got_evals] == [s for s, _ in want_evals] == [0, 5, 10]
-    for (step, got), (_, want) in zip(got_evals, want_evals, strict=True):
-        assert abs(got - want) <= 1e-4 * abs(want), f"eval at step {step}: {got} vs {want}"
+    assert_losses_match(report, baseline, want_evals)
     # An evaluation measures the parameters its step trains on.
     assert [e["trains_on"] for e in report["evals"]] == [0, 5, 10]
     # The delayed gradient is a different trajectory from the synchronous one: the rule

@@ -49,6 +49,22 @@ def run_testnet(
     return report
 
 
+def assert_losses_match(
+    report: dict[str, Any], baseline: list[float], want_evals: list[tuple[int, float]]
+) -> list[tuple[int, float]]:
+    """Every step's loss and every evaluation in a testnet's report within 1e-4 of
+    single-process training's (`baseline`, `want_evals`), evaluations at steps 0, 5 and 10;
+    the report's evaluations as (step, loss)."""
+    losses = [s["loss"] for s in report["steps"]]
+    for step, (got, want) in enumerate(zip(losses, baseline, strict=True)):
+        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
+    got_evals = [(e["step"], e["loss"]) for e in report["evals"]]
+    assert [s for s, _ in got_evals] == [s for s, _ in want_evals] == [0, 5, 10]
+    for (step, got), (_, want) in zip(got_evals, want_evals, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), f"eval at step {step}: {got} vs {want}"
+    return got_evals
+
+
 TEN_STEP_SETTINGS = ("checkpoint.every_steps=5", "train.eval_every=5", "train.eval_samples=10")
 """Checkpoints and evaluations at steps 5 and 10, on 10 held-out samples (not a multiple of
 the microbatch)."""
@@ -72,14 +88,8 @@ def test_lossless_pipeline_matches_single_process(ten_step_run: Path, tiny: list
     want_evals: list[tuple[int, float]] = []
     config = load_config(None, [*tiny, *TEN_STEP_SETTINGS, "train.steps=10"])
     baseline = train_single_process(config, evals=want_evals)
-    losses = [s["loss"] for s in report["steps"]]
-    assert len(losses) == 10
-    for step, (got, want) in enumerate(zip(losses, baseline, strict=True)):
-        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
-    got_evals = [(e["step"], e["loss"]) for e in report["evals"]]
-    assert [s for s, _ in got_evals] == [s for s, _ in want_evals] == [0, 5, 10]
-    for (step, got), (_, want) in zip(got_evals, want_evals, strict=True):
-        assert abs(got - want) <= 1e-4 * abs(want), f"eval at step {step}: {got} vs {want}"
+    assert len(report["steps"]) == 10
+    got_evals = assert_losses_match(report, baseline, want_evals)
     assert want_evals[-1][1] < want_evals[0][1], "training did not lower the held-out loss"
     assert report["final_eval_loss"] == got_evals[-1][1]
     elapsed = [e["elapsed_s"] for e in report["evals"]]
