@@ -37,6 +37,12 @@ def busy_seconds(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def _overlapped(steps: list[coordinator_pb2.StepRecord]) -> str:
+    """How many steps trained one step behind (train.step_overlap), or nothing if none."""
+    behind = sum(1 for s in steps if s.trains_on < s.step)
+    return f"; {behind} of {len(steps)} trained a step behind (step overlap)" if behind else ""
+
+
 def summary_lines(status: coordinator_pb2.StatusReply) -> list[str]:
     """What an organiser wants to see when a run ends, one fact a line."""
     steps = list(status.steps)
@@ -56,7 +62,7 @@ def summary_lines(status: coordinator_pb2.StatusReply) -> list[str]:
         f"held-out {_loss(final_eval)}"
         + ("" if final_eval is not None else " (set train.eval_every to measure it)"),
         f"  throughput: {samples / train_seconds if train_seconds else 0.0:.1f} samples/s "
-        f"over {train_seconds:.1f} s of steps",
+        f"over {train_seconds:.1f} s of steps" + _overlapped(steps),
         "  bytes sent: "
         + (", ".join(f"{codec} {_bytes(n)}" for codec, n in sorted(by_codec.items())) or "none"),
         f"  samples: leased {c.leased}, committed {c.committed}, replayed {c.replayed}, "
