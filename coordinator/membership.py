@@ -210,14 +210,13 @@ class Membership:
         """Every stage has a live replica and no node is on its way into a stage (joined,
         moved or re-syncing, fetching its state): train.step_overlap opens steps early only
         then (coordinator/step_protocol.py)."""
-        coming = any(not m.serving and self._holds_stage(m, now) for m in self.members.values())
-        return self.covered() and not coming
+        return self.covered() and not self._coming(None, now)
 
-    def _coming(self, stage: int, now: float) -> bool:
-        """A node is on its way to `stage`: joined or moved there, online (or not announced
-        yet, within JOIN_GRACE_S) and fetching its state."""
+    def _coming(self, stage: int | None, now: float) -> bool:
+        """A node is on its way to `stage` (None: to any stage): joined or moved there,
+        online (or not announced yet, within JOIN_GRACE_S) and fetching its state."""
         return any(
-            m.stage == stage and not m.serving and self._holds_stage(m, now)
+            (stage is None or m.stage == stage) and not m.serving and self._holds_stage(m, now)
             for m in self.members.values()
         )
 
@@ -309,7 +308,7 @@ class Membership:
         counts = placement.replica_counts(assignment, self.num_stages)
         if 1 not in counts or max(counts) < 3:
             return []  # the common case, checked first: this runs at every change
-        if any(not m.serving and self._holds_stage(m, now) for m in self.members.values()):
+        if self._coming(None, now):
             return []
         specs, caps = self.fleet(live)
         moves = placement.second_replicas(
@@ -358,7 +357,7 @@ class Membership:
         a node is still fetching a stage's state: the last batch must settle first; no
         throughput move while a mover is `unconfirmed`. Gains are judged on whole steps'
         rates, with a step's fixed `costs` counted (the bound Status shows)."""
-        if any(not m.serving and self._holds_stage(m, now) for m in self.members.values()):
+        if self._coming(None, now):
             return []
         live = self.live()
         specs, caps = self.fleet(live)

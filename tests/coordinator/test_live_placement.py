@@ -9,7 +9,7 @@ import time
 import pytest
 
 from swarmpipe.coordinator import fleet_model, membership, placement
-from swarmpipe.coordinator.membership import Membership
+from swarmpipe.coordinator.membership import Membership, MoveOrder
 from swarmpipe.coordinator.placement import PlacementPolicy
 from swarmpipe.coordinator.step_protocol import StepStats
 from swarmpipe.protos import control_pb2
@@ -401,11 +401,11 @@ def test_a_sender_whose_link_fell_does_not_make_its_receivers_look_slow() -> Non
     assert caps["a"].bandwidth_in == pytest.approx(0.5e6 + 0.5e4)
 
 
-def test_a_mover_is_unconfirmed_until_it_served_two_whole_steps_on_its_new_stage() -> None:
-    """A mover's figures on its new stage are estimates until it has served two whole steps
-    there (the first may be partial; placement.rebalance plans no throughput move on them,
-    test_placement), and once it is measured its counters start from the move."""
-    m = make(3)
+def _moved_for_a_slow_uplink(
+    m: Membership,
+) -> tuple[list[MoveOrder], dict[str, float], dict[str, float]]:
+    """Seven nodes serving, x's uplink at a hundredth of the others', one rebalancing round
+    and its movers arrived: the orders, and the rates and uplinks to report with."""
     layout = {"a": 0, "b": 0, "g": 0, "c": 1, "x": 1, "e": 2, "f": 2}
     for name, stage in layout.items():
         serve(m, name, stage)
@@ -413,11 +413,19 @@ def test_a_mover_is_unconfirmed_until_it_served_two_whole_steps_on_its_new_stage
     uplinks = dict.fromkeys(layout, 1e6)
     uplinks["x"] = 1e4
     report(m, rates, uplinks)
-    now = time.monotonic()
-    orders = m.rebalance(now + 100.0)
+    orders = m.rebalance(time.monotonic() + 100.0)
     assert orders
-    movers = {o.node_id for o in orders}
     arrive(m)
+    return orders, rates, uplinks
+
+
+def test_a_mover_is_unconfirmed_until_it_served_two_whole_steps_on_its_new_stage() -> None:
+    """A mover's figures on its new stage are estimates until it has served two whole steps
+    there (the first may be partial; placement.rebalance plans no throughput move on them,
+    test_placement), and once it is measured its counters start from the move."""
+    m = make(3)
+    orders, rates, uplinks = _moved_for_a_slow_uplink(m)
+    movers = {o.node_id for o in orders}
     assert m.unconfirmed() == movers
     # One whole step on the new stage: the first may have been partial, not yet.
     report(m, rates, uplinks)
@@ -432,16 +440,7 @@ def test_a_mover_is_unconfirmed_until_it_served_two_whole_steps_on_its_new_stage
 
 def test_a_mover_that_reports_nothing_counts_as_measured_once_the_swarm_moved_on() -> None:
     m = make(3)
-    layout = {"a": 0, "b": 0, "g": 0, "c": 1, "x": 1, "e": 2, "f": 2}
-    for name, stage in layout.items():
-        serve(m, name, stage)
-    rates = dict.fromkeys(layout, 10.0)
-    uplinks = dict.fromkeys(layout, 1e6)
-    uplinks["x"] = 1e4
-    report(m, rates, uplinks)
-    orders = m.rebalance(time.monotonic() + 100.0)
-    assert orders
-    arrive(m)
+    orders, rates, uplinks = _moved_for_a_slow_uplink(m)
     quiet = {o.node_id: m.members[o.node_id].telemetry for o in orders}
     for _ in range(membership.CONFIRM_WITHIN_STEPS):
         assert m.unconfirmed()
