@@ -35,7 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-id", default="", help="stable name of this node (default: host-pid)"
     )
-    parser.add_argument("--listen", default="0.0.0.0:0", help="host:port of the Stage server")
+    parser.add_argument(
+        "--listen",
+        default="",
+        help="host:port of the Stage server (default: port 0 on 127.0.0.1 when the "
+        "coordinator is on this machine, else on 0.0.0.0)",
+    )
     parser.add_argument("--advertise-host", default="", help="host peers use to reach this node")
     parser.add_argument(
         "--broker", default="", help="mqtt://host:port overriding the coordinator's"
@@ -159,6 +164,11 @@ async def serve(args: argparse.Namespace) -> int:
 
         resolve_device(args.device)
     token = join_token(args)
+    if not args.listen:
+        # A coordinator on loopback means a swarm on this machine: no peer could reach the
+        # node beyond it, and plaintext there needs no --insecure.
+        local = tls.is_loopback(args.coordinator.rpartition(":")[0])
+        args.listen = "127.0.0.1:0" if local else "0.0.0.0:0"
     ca_pem = b""
     if args.ca_file:
         ca_pem = tls.read_ca_file(args.ca_file)

@@ -230,8 +230,8 @@ class Procs:
 
     @staticmethod
     def _node_args(name: str, coordinator: str) -> list[str]:
-        return ["node", "--coordinator", coordinator, "--node-id", name,
-                "--listen", "127.0.0.1:0", "--threads", "1"]  # fmt: skip
+        # No --listen: a node of a coordinator on loopback serves on loopback by default.
+        return ["node", "--coordinator", coordinator, "--node-id", name, "--threads", "1"]
 
     def node(
         self, name: str, coordinator: str, *extra: str, env: dict[str, str] | None = None

@@ -173,6 +173,7 @@ def test_plaintext_beyond_loopback_refuses_to_start_without_insecure(procs: Proc
         ["coordinator", "--listen", "127.0.0.1:0", "--broker-listen", "0.0.0.0:0",
          "--state-dir", state],
         ["node", "--coordinator", "127.0.0.1:9", "--listen", "0.0.0.0:0"],
+        ["node", "--coordinator", "192.0.2.1:9"],  # a remote coordinator: 0.0.0.0 by default
         ["coordinator", "--listen", "127.0.0.1:0", "--broker", "mqtt://192.0.2.1:1883",
          "--state-dir", state],
     ):  # fmt: skip
