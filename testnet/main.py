@@ -7,7 +7,9 @@ its path. Ctrl-C, the coordinator exiting, or a node exiting with an error of
 its own stops every process it started. A node killed by the churn scenario
 (--churn, --churn-random, see churn.py) or by a signal from outside the testnet
 (someone's `kill -9`) is churn, recorded in the report ("died"): the run goes
-on, and stops only when the swarm cannot (no step for --stall-timeout).
+on, and stops only when the swarm cannot (no step for --stall-timeout). A
+coordinator killed from outside is started again at once with its command line,
+as a supervisor would, and takes the run up from its state database.
 
 Exit codes: 0 when the run finished and wrote its report, 1 when a child
 crashed or the run stalled, 2 for bad arguments or config, 130 on Ctrl-C.
@@ -470,6 +472,17 @@ class Testnet:
                     f"killed by {signal_name} from outside the testnet",
                 )
             )
+            if dead.name == COORDINATOR:
+                # As a supervisor (systemd's Restart=on-failure) would: it takes the run
+                # up from its state database while the nodes train on and reconnect.
+                if status.done:
+                    raise SwarmpipeError(
+                        f"the coordinator was killed by {signal_name} after the run was done"
+                    )
+                self.group.start(COORDINATOR, self.coord_args)
+                self._record(
+                    ChurnRecord("start", COORDINATOR, "restart", elapsed, steps, -1, "started")
+                )
         if self.training_since is None:
             return  # the schedules count from the start of training
         for event in self.churn.due(elapsed, steps):

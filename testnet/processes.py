@@ -125,15 +125,16 @@ class ProcessGroup:
         return child
 
     def crashed(self) -> list[Child]:
-        """Children that failed: the coordinator exiting with any non-zero code, or a node
-        exiting with an error of its own (code > 0). A node killed by a signal it did not
-        send itself is churn (`killed_from_outside`), as a volunteer pulling the plug is."""
+        """Children that failed: the coordinator exiting with code 0 before the run was
+        done, or any child exiting with an error of its own (code > 0). A child killed by a
+        signal it did not send itself is churn (`killed_from_outside`), as a volunteer
+        pulling the plug is; the testnet starts a coordinator killed so again."""
         failed = []
         for c in self.children:
             code = c.popen.poll()
-            if code in (None, 0) or c.killed_on_purpose:
+            if code is None or c.killed_on_purpose:
                 continue
-            if c.name == COORDINATOR or code > 0:
+            if code > 0 or (code == 0 and c.name == COORDINATOR):
                 failed.append(c)
         return failed
 
@@ -142,9 +143,10 @@ class ProcessGroup:
         return [c for c in self.children if c.name != COORDINATOR]
 
     def killed_from_outside(self) -> list[Child]:
-        """Nodes that died of a signal the testnet did not send, not reported yet."""
+        """Children (nodes or the coordinator) that died of a signal the testnet did not
+        send, not reported yet."""
         found = []
-        for c in self.nodes():
+        for c in self.children:
             code = c.popen.poll()
             if code is not None and code < 0 and not c.killed_on_purpose and not c.reported:
                 c.reported = True
