@@ -160,9 +160,10 @@ class Admission:
                 return None
             given = metadata_value(metadata, ADMIN_TOKEN_KEY)
             if not given:
+                # The file's name, not its path: anyone who can reach the port reads this.
                 return unauthenticated(
                     f"{method.rpartition('/')[2]} is the organiser's: give --admin-token-file "
-                    f"{self.state_dir / ADMIN_TOKEN_FILE}"
+                    f"with the coordinator's <state-dir>/{ADMIN_TOKEN_FILE}"
                 )
             if not hmac.compare_digest(given.strip().encode(), self.admin_token.encode()):
                 return unauthenticated("the organiser's token is wrong")

@@ -90,6 +90,8 @@ def test_grpcurl_without_credentials_is_unauthenticated_everywhere_but_health(
             done = _grpcurl(*protos, target, method, data=as_replica.get(method, "{}"))
             assert done.returncode != 0, (method, done.stdout)
             assert "Code: Unauthenticated" in done.stderr, (method, done.stderr)
+            # A stranger learns nothing about the coordinator's machine (its folders).
+            assert str(procs.tmp) not in done.stderr, (method, done.stderr)
             checked.append(method)
         health = _grpcurl(target, "grpc.health.v1.Health/Check")
         assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
