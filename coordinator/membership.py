@@ -247,6 +247,35 @@ class Membership:
             now=now,
         )
 
+    def diverged(self, step: int) -> list[MoveOrder]:
+        """Re-sync the replicas whose parameters after `step` differ from their stage's.
+
+        Replicas of a stage take bit-identical steps (node/replica_sync.py), so two digests
+        for one step mean a fault the reduce could not see (replicas cut off from each other
+        in both directions, a bad memory bit). The digest most of the stage's replicas
+        reported wins, a tie going to the one whose holder has been in the swarm longest;
+        every other replica is ordered to fetch the stage's state again (a move to its own
+        stage), from the replicas that stay, so at least one always does."""
+        orders = []
+        for stage in range(self.num_stages):
+            reported = [m for m in self.replicas(stage) if m.last_step == step and m.param_digest]
+            groups: dict[str, list[Member]] = {}
+            for m in reported:
+                groups.setdefault(m.param_digest, []).append(m)
+            if len(groups) < 2:
+                continue
+            keep = max(groups, key=lambda d: (len(groups[d]), -min(m.joined_at for m in groups[d])))
+            for digest, members in sorted(groups.items()):
+                if digest == keep:
+                    continue
+                for m in members:
+                    reason = (
+                        f"re-sync: its parameters after step {step} ({digest}) differ from "
+                        f"{len(groups[keep])} of its stage's {len(reported)} replicas' ({keep})"
+                    )
+                    orders.append(self.move(m, m.stage, reason))
+        return orders
+
     def effective_rates(self) -> dict[str, float]:
         """Each live node's effective rate on its stage, as the policy sees it now."""
         live = self.live()

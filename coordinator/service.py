@@ -744,6 +744,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             # The step that opened may be one opened early whose leases are all in: its
             # APPLY starts now (_after_change names its nodes and publishes).
             await self._after_change(before)
+            if self.config.pipeline.sync == "every_step":  # DiLoCo's replicas drift apart
+                for order in self.membership.diverged(request.step):
+                    await self._moved(order)
+                    await self._after_change()
         else:
             self._persist()
             if self.protocol.phase is Phase.APPLY and not self.protocol.awaiting:

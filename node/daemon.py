@@ -40,7 +40,7 @@ from swarmpipe.config import RunConfig
 from swarmpipe.control.bus import BrokerAddress, Topics, make_client, parse_broker_url
 from swarmpipe.control.link_control import LinkSettings, describe
 from swarmpipe.errors import PeerError, SwarmpipeError
-from swarmpipe.node import calibration
+from swarmpipe.node import calibration, fault_points
 from swarmpipe.node.checkpointing import Checkpointer
 from swarmpipe.node.compute import BACKWARD, ComputeWorker
 from swarmpipe.node.context import CoordinatorClient, NodeStatus, StageContext
@@ -877,6 +877,8 @@ class NodeDaemon:
                 replicas = await joined.replica_sync.average_parameters(step)
                 how = f"local, then averaged over {replicas} replica{'' if replicas == 1 else 's'}"
         joined.state_transfer.step_advanced()
+        if fault_points.drift_due(step):
+            await self.compute.run(BACKWARD, runtime.nudge_for_test)
         digest = await self.compute.run(BACKWARD, runtime.parameter_digest)
         times.applied(step)
         logger.info("applied step %d (%d samples, %s, params %s)", step, samples, how, digest)

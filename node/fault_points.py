@@ -11,6 +11,10 @@ or later, write the marker file (JSON with the point and step), then never
 return. The test waits for the marker and kills the node. Several points may
 be armed, separated by commas. Unset (every real deployment), `reach` is a
 dictionary lookup.
+
+One point does not pause: `apply.drift` nudges the node's parameters once after it
+applies that step (`drift_due`), as a bad memory bit would, so a test can see the
+coordinator notice replicas that differ and re-sync the odd one out.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ POINTS = frozenset(
         "reduce.sent_one",  # a replica sent its contribution to one peer, not yet the others
         "head.hop_done",  # a head got a microbatch's gradient back but has not committed it
         "checkpoint.final",  # a replica asked for its stage's final state, before it uploads
+        "apply.drift",  # not a pause: nudge the parameters once after applying (drift_due)
     }
 )
 
@@ -65,3 +70,15 @@ async def reach(point: str, step: int) -> None:
     logger.warning("pausing at fault point %s (step %d) for a test", point, step)
     write_ready_file(target[1], {"point": point, "step": step, "pid": os.getpid()})
     await asyncio.Event().wait()
+
+
+def drift_due(step: int) -> bool:
+    """Whether a test armed `apply.drift` for this step: True once (the marker file is
+    written), then never again; the caller nudges its parameters."""
+    target = _armed.get("apply.drift")
+    if target is None or step < target[0]:
+        return False
+    del _armed["apply.drift"]
+    logger.warning("fault point apply.drift (step %d): nudging the parameters for a test", step)
+    write_ready_file(target[1], {"point": "apply.drift", "step": step, "pid": os.getpid()})
+    return True

@@ -36,7 +36,8 @@ reported: it cannot tell the lying sender from a lying manifest.
 Known limit: two replicas that cannot reach each other in either direction
 while both stay in the plan can still decide differently (agreement under
 partitions needs more rounds than this); the parameter digests each node
-reports after every step make that visible.
+reports after every step make that visible, and the coordinator re-syncs the
+replica that differs (coordinator/membership.py, `Membership.diverged`).
 """
 
 from __future__ import annotations

@@ -500,6 +500,12 @@ class StageRuntime:
         self.outer.step(to_device(reduced[0], self.device), reduced[2])
         self.step = step + 1
 
+    def nudge_for_test(self) -> None:
+        """Add 1e-3 to one parameter (node/fault_points.py `apply.drift`): this replica then
+        differs from its stage's others, as after a fault the reduce cannot see."""
+        with torch.no_grad():
+            next(iter(self.module.parameters())).view(-1)[0] += 1e-3
+
     def parameter_digest(self) -> str:
         """A short hash of the parameters: equal on replicas that stayed in step."""
         h = hashlib.sha256()

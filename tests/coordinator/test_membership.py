@@ -74,3 +74,35 @@ def test_healing_never_empties_a_stage() -> None:
     _serving(m, "b", 1)
     assert m.heal() is None  # no stage has a second replica to give
     assert [x.stage for x in m.live()] == [0, 1]
+
+
+def _applied(m: Membership, step: int, **digests: str) -> None:
+    for name, digest in digests.items():
+        m.members[name].last_step, m.members[name].param_digest = step, digest
+
+
+def test_a_replica_whose_parameters_differ_from_its_stage_majority_is_re_synced() -> None:
+    m = make(2)
+    for name, stage in (("a", 0), ("b", 0), ("c", 0), ("d", 1), ("e", 1)):
+        _serving(m, name, stage)
+    _applied(m, 5, a="x", b="y", c="x", d="z", e="z")
+    (order,) = m.diverged(5)
+    assert (order.node_id, order.from_stage, order.to_stage) == ("b", 0, 0)
+    assert "after step 5 (y) differ from 2 of its stage's 3 replicas' (x)" in order.reason
+    b = m.members["b"]
+    assert not b.serving and [x.node_id for x in m.replicas(0)] == ["a", "c"]
+    # Agreement, an older step, or a replica that has not reported: nothing to do.
+    assert m.diverged(5) == []
+    _applied(m, 6, a="x", c="x", d="z")
+    _applied(m, 5, e="w")
+    assert m.diverged(6) == []
+
+
+def test_of_two_replicas_that_differ_the_one_in_the_swarm_longer_is_kept() -> None:
+    m = make(1)
+    _serving(m, "late", 0)
+    _serving(m, "early", 0)
+    m.members["early"].joined_at = m.members["late"].joined_at - 10
+    _applied(m, 3, late="x", early="y")
+    (order,) = m.diverged(3)
+    assert order.node_id == "late" and [x.node_id for x in m.replicas(0)] == ["early"]
