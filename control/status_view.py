@@ -49,6 +49,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from swarmpipe.coordinator.summary import move_words
 from swarmpipe.protos import coordinator_pb2
 
 RECENT_STEPS = 5
@@ -359,8 +360,8 @@ def status_table(view: dict[str, Any]) -> list[str]:
         lines.append("")
         lines.append("recent moves:")
         lines += [
-            f"  step {m['step']}: {m['node']} from stage {m['from_stage']} to {m['to_stage']}"
-            f" ({m['reason']})"
+            f"  step {m['step']}: "
+            f"{move_words(m['node'], m['from_stage'], m['to_stage'], past=True)} ({m['reason']})"
             for m in view["moves"][-5:]
         ]
     if view["benched"]:

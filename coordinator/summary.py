@@ -14,6 +14,13 @@ from collections.abc import Iterable
 from swarmpipe.protos import coordinator_pb2
 
 
+def move_words(node: str, from_stage: int, to_stage: int, *, past: bool = False) -> str:
+    """A move as a reader says it: to another stage, or a re-sync on its own."""
+    if from_stage == to_stage:
+        return f"{node} {'re-synced' if past else 're-syncs'} stage {to_stage}"
+    return f"{'moved ' if past else ''}{node} from stage {from_stage} to {to_stage}"
+
+
 def _loss(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.4f}"
 
@@ -72,7 +79,7 @@ def summary_lines(status: coordinator_pb2.StatusReply) -> list[str]:
         f"{sum(1 for n in status.nodes if n.online)} of {len(status.nodes)} nodes online",
     ]
     lines += [
-        f"    moved {m.node_id} from stage {m.from_stage} to {m.to_stage} at step {m.step}: "
+        f"    {move_words(m.node_id, m.from_stage, m.to_stage, past=True)} at step {m.step}: "
         f"{m.reason}"
         for m in status.moves[-5:]
     ]

@@ -210,8 +210,12 @@ def test_moves_are_listed_in_the_view_and_the_table() -> None:
     assert view["moves"] == [
         {"node": "c", "from_stage": 0, "to_stage": 1, "step": 6, "reason": "moved by the operator"}
     ]
-    text = "\n".join(status_table(view))
-    assert "recent moves:\n  step 6: c from stage 0 to 1 (moved by the operator)" in text
+    status.moves.append(
+        pb.MoveRecord(node_id="b", from_stage=1, to_stage=1, reason="re-sync: differs", step=7)
+    )
+    text = "\n".join(status_table(status_view(status)))
+    assert "recent moves:\n  step 6: moved c from stage 0 to 1 (moved by the operator)" in text
+    assert "  step 7: b re-synced stage 1 (re-sync: differs)" in text
     assert status_view(SWARM)["moves"] == []
 
 
