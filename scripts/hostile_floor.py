@@ -52,6 +52,7 @@ def replay(overrides: list[str], steps: int, policy: str, seed: int) -> dict[str
     config = load_config(None, ["pipeline.stages=1", *overrides])
     robust = config.robust
     runtime = StageRuntime(config, 0)
+    sizes = [p.numel() for p in runtime.module.parameters()]
     corpus = Corpus.load(config.data, config.model.context, config.train.seed)
     train = config.train
     dealer = random.Random(seed + (1000 if policy == "clean_again" else 0))
@@ -108,6 +109,8 @@ def replay(overrides: list[str], steps: int, policy: str, seed: int) -> dict[str
             direction_sigmas=robust.direction_sigmas,
             reference=gradient_momentum(runtime),
             profile=gradient_momentum(runtime, "exp_avg_sq"),
+            sizes=sizes,
+            tensor_sigmas=robust.tensor_sigmas,
         )
         runtime.apply_step(step, result.total)
         for suspect in sorted(dropped | set(result.rejected)):
