@@ -28,8 +28,10 @@ drops the same senders and takes the same step. Six screens, in order:
    standard deviations of that mean, as flat as noise, is dropped when another
    contribution with traffic, or AdamW's second moment, is not flat by
    EVIDENCE times the bound (a step whose contributions are all flat drops
-   nobody). It needs no optimizer history, so it closes step 0, where two
-   contributions with traffic used to go into the sum unjudged. Over 400
+   nobody); a step's only contribution at step 0, with no witness at all, is
+   judged by the bound alone. It needs no optimizer history, so it closes
+   step 0, where two contributions with traffic used to go into the sum
+   unjudged. Over 400
    steps (3 replicas, every stage of 1-, 2- and 3-stage cuts; 976 honest
    contributions a stage) honest gradients came out at 626 sigma and up on
    the tests' model and 4134 and up on the default one, noise of their norms
@@ -69,10 +71,11 @@ drops the same senders and takes the same step. Six screens, in order:
    the bound's 3; on the last stage of the test suite's tiny model (4-sample
    microbatches) an honest gradient came out as unrelated as noise while the
    other two related at 2-5 % of 196 steps (down to 1.5 sigma), so the screen
-   stays opt-in. At step 0 with two, the noise goes into the sum: withholding
-   both instead cost more than it saved (scripts/hostile_floor.py, seed 3:
-   6.0 % mean and 34 % worst step against 1.4 % and 9.6 %), since the steps
-   it withholds are the ones where the loss falls fastest. Only
+   stays opt-in. At step 0 with two this screen judges nobody (the
+   tensor-scale screen does): withholding both instead cost more than it
+   saved (scripts/hostile_floor.py, seed 3: 6.0 % mean and 34 % worst step
+   against 1.4 % and 9.6 %), since the steps it withholds are the ones where
+   the loss falls fastest. Only
    |cosine| counts: a negative one is not evidence of malice (a sign-flipped
    gradient is left to the centred clip).
 
@@ -278,7 +281,12 @@ def _flat(
     profile: torch.Tensor | None,
 ) -> dict[str, str]:
     """The tensor-scale screen: who has the same RMS in every tensor, as isotropic noise
-    has, while another contribution or the second moment shows that honest ones do not."""
+    has, while another contribution or the second moment shows that honest ones do not.
+
+    A step's only contribution at step 0 has no witness at all; it is judged by what every
+    honest gradient measured showed (hundreds of sigma or more): the cost of that prior
+    being wrong for some model is one step's update, never a bench (that takes two
+    verdicts, and from step 1 the second moment is a witness)."""
     spread: dict[str, float] = {}
     for node in left:
         z = flatness_sigmas(tensor_mean_squares(contributions[node][0], sizes), sizes)
@@ -291,16 +299,20 @@ def _flat(
             spread[MOMENT] = z
     rejected: dict[str, str] = {}
     for node in left:
+        if node not in spread or spread[node] >= sigmas:
+            continue
         witness = max((n for n in spread if n != node), key=lambda n: spread[n], default=None)
-        if node not in spread or witness is None:
-            continue
-        if spread[node] >= sigmas or spread[witness] < EVIDENCE * sigmas:
-            continue
+        if witness is None:
+            because = "nothing else at this step to compare with, and honest gradients differ"
+        elif spread[witness] >= EVIDENCE * sigmas:
+            name = "the optimizer second moment" if witness == MOMENT else witness
+            because = f"{name}'s differ ({spread[witness]:.3g} sigma)"
+        else:
+            continue  # nothing shows that this step's honest tensors differ: drop nobody
         rejected[node] = (
             f"its {len(sizes)} parameter tensors have as equal a root-mean-square as random "
             f"noise's ({spread[node]:.3g} sigma from equal; the bound is {sigmas:g}) while "
-            f"{'the optimizer second moment' if witness == MOMENT else witness}'s differ "
-            f"({spread[witness]:.3g} sigma)"
+            f"{because}"
         )
     return rejected
 

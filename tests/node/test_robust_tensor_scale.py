@@ -115,19 +115,23 @@ def test_a_step_whose_contributions_are_all_flat_drops_nobody(
     assert _judge(flat, sizes).rejected == {}
 
 
-def test_a_lone_contribution_is_judged_beside_the_second_moment_only(
+def test_a_lone_contribution_is_judged_beside_the_second_moment_or_by_the_bound_alone(
     model: tuple[list[int], list[Contribution]],
 ) -> None:
+    # The fastest replica leases what it can: a step's only traffic can be the hostile one's.
     sizes, (a, b, *_) = model
-    alone = {"x": _noise(b)}
-    assert _judge(alone, sizes).rejected == {}
+    idle = (torch.zeros_like(a[0]), 0, 0)
+    alone = {"i": idle, "x": _noise(b)}
     second_moment = 0.05 * a[0].square() / a[1] ** 2  # what AdamW keeps after one step
     result = _judge(alone, sizes, profile=second_moment)
     assert set(result.rejected) == {"x"}
     assert "while the optimizer second moment's differ" in result.rejected["x"]
     assert result.total[1] == 0  # the step applies nothing
-    honest = _judge({"b": b}, sizes, profile=second_moment)
-    assert honest.rejected == {}
+    # At step 0 nothing is beside it: the bound alone judges, and honest ones pass.
+    first = _judge(alone, sizes)
+    assert set(first.rejected) == {"x"} and "nothing else at this step" in first.rejected["x"]
+    assert _judge({"i": idle, "b": b}, sizes).rejected == {}
+    assert _judge({"b": b}, sizes, profile=second_moment).rejected == {}
 
 
 def test_zeroing_tensors_does_not_make_noise_look_uneven(
