@@ -241,15 +241,21 @@ def screen(
 
 def tensor_mean_squares(flat: torch.Tensor, sizes: Sequence[int]) -> list[float]:
     """The mean square of each parameter tensor's slice of `flat`, rounded to float32."""
-    return _tensor_means(flat.double().square(), sizes)
+    return _tensor_means(flat, sizes, square=True)
 
 
-def _tensor_means(squares: torch.Tensor, sizes: Sequence[int]) -> list[float]:
-    if sum(sizes) != squares.numel():
+def _tensor_means(values: torch.Tensor, sizes: Sequence[int], *, square: bool) -> list[float]:
+    if sum(sizes) != values.numel():
         raise ValueError(
-            f"tensor sizes sum to {sum(sizes)} but the contribution has {squares.numel()} values"
+            f"tensor sizes sum to {sum(sizes)} but the contribution has {values.numel()} values"
         )
-    sums = torch.stack([chunk.sum() for chunk in torch.split(squares.double(), list(sizes))])
+    # One tensor at a time in float64, so the copy is never larger than the largest tensor.
+    sums = torch.stack(
+        [
+            (chunk.double().square() if square else chunk.double()).sum()
+            for chunk in torch.split(values, list(sizes))
+        ]
+    )
     return [_f32(s / n) for s, n in zip(sums.tolist(), sizes, strict=True)]
 
 
@@ -294,7 +300,7 @@ def _flat(
             spread[node] = z
     if profile is not None:
         # exp_avg_sq is a mean of squares already: its per-tensor means are mean squares.
-        z = flatness_sigmas(_tensor_means(profile, sizes), sizes)
+        z = flatness_sigmas(_tensor_means(profile, sizes, square=False), sizes)
         if z is not None:
             spread[MOMENT] = z
     rejected: dict[str, str] = {}
