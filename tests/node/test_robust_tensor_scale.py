@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from swarmpipe.config import ConfigError, RobustConfig, load_config
-from swarmpipe.model.partition import token_loss_sum
+from swarmpipe.model import build_stage, token_loss_sum
 from swarmpipe.node.hostile import Hostile
 from swarmpipe.node.robust_reduce import (
     Aggregate,
@@ -18,7 +18,6 @@ from swarmpipe.node.robust_reduce import (
     flatness_sigmas,
     tensor_mean_squares,
 )
-from swarmpipe.node.stage_runtime import StageRuntime
 
 # The tests' model (tests/conftest.py TINY), one stage: 53 tensors, 68 288 parameters.
 MODEL = ["model.n_layers=4", "model.d_model=32", "model.n_heads=2", "model.context=32"]
@@ -28,16 +27,17 @@ MODEL = ["model.n_layers=4", "model.d_model=32", "model.n_heads=2", "model.conte
 def model() -> tuple[list[int], list[Contribution]]:
     """The tensor sizes and four real gradient sums (4 samples each) at initialisation:
     step 0, where nothing but the gradients themselves can judge."""
-    runtime = StageRuntime(load_config(None, [*MODEL, "pipeline.stages=1"]), 0)
-    sizes = [p.numel() for p in runtime.module.parameters()]
+    # The stage module alone, as StageRuntime builds it (the runtime's device probe is slow).
+    module = build_stage(load_config(None, [*MODEL, "pipeline.stages=1"]), 0)
+    sizes = [p.numel() for p in module.parameters()]
     g = torch.Generator().manual_seed(0)
     gradients = []
     for _ in range(4):
         x = torch.randint(0, 256, (4, 32), generator=g)
         y = torch.randint(0, 256, (4, 32), generator=g)
-        runtime.module.zero_grad(set_to_none=True)
-        token_loss_sum(runtime.module(x), y).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in runtime.module.parameters()])
+        module.zero_grad(set_to_none=True)
+        token_loss_sum(module(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in module.parameters()])
         gradients.append((flat.detach().clone(), y.numel(), 4))
     return sizes, gradients
 
