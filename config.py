@@ -605,6 +605,14 @@ class RobustConfig:
     a fair value) where honest gradients are well above noise (large microbatches): on the
     tiny test model's last stage an honest gradient came out unrelated in direction at 2-5 %
     of steps."""
+    tensor_sigmas: float = 10.0
+    """The tensor-scale screen (node/robust_reduce.py), for gradients. A contribution whose
+    parameter tensors have as equal a root-mean-square as isotropic noise's (the spread of
+    their mean squares within this many standard deviations of noise's) is dropped while
+    another contribution, or AdamW's second moment, differs between tensors by 1.5 times
+    this. Judges from step 0, needing no optimizer history. Over 400 steps honest gradients
+    of the tests' and the default model came out at 626 sigma and up, noise of their norm
+    at most 4.5 (scripts/tensor_scale_margins.py). 0 turns it off."""
     data_norm_ratio: float = 100.0
     """A stage refuses (INVALID_ARGUMENT) an activation or gradient whose root-mean-square
     value exceeds this many times the median of the last `data_norm_window` it accepted
@@ -630,6 +638,8 @@ class RobustConfig:
             raise ConfigError("robust.clip_iterations must be >= 1")
         if self.direction_sigmas < 0:
             raise ConfigError("robust.direction_sigmas must be >= 0 (0 turns it off)")
+        if not self.tensor_sigmas >= 0:
+            raise ConfigError("robust.tensor_sigmas must be >= 0 (0 turns it off)")
         if self.data_norm_window < 8:
             raise ConfigError("robust.data_norm_window must be >= 8")
         if self.bench_s < 0:

@@ -417,8 +417,10 @@ class ReplicaSync:
         step: int,
         contributions: dict[str, Contribution],
         per: Per,
+        *,
         reference: torch.Tensor | None = None,
         profile: torch.Tensor | None = None,
+        sizes: list[int] | None = None,
     ) -> Aggregate:
         """The robust aggregate of the agreed contributions (the same on every replica)."""
         robust = self.ctx.config.robust
@@ -433,6 +435,8 @@ class ReplicaSync:
                 direction_sigmas=robust.direction_sigmas,
                 reference=reference,
                 profile=profile,
+                sizes=sizes,
+                tensor_sigmas=robust.tensor_sigmas,
             ),
         )
         hostile.record(
@@ -486,7 +490,11 @@ class ReplicaSync:
         agreed = await self.exchange(step, own, delta=False)
         momentum = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime))
         profile = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime, "exp_avg_sq"))
-        result = await self._combine(step, agreed, "tokens", momentum, profile)
+        # The tensor-scale screen cuts the flat gradient where local_gradient joined it.
+        sizes = [p.numel() for p in runtime.module.parameters()]
+        result = await self._combine(
+            step, agreed, "tokens", reference=momentum, profile=profile, sizes=sizes
+        )
         return result.total, len(result.accepted)
 
     async def average_parameters(self, step: int) -> int:

@@ -2,7 +2,7 @@
 
 Every replica of a stage runs `aggregate` on the same agreed contributions
 (replica_sync.py makes sure they are the same, byte for byte), so every one
-drops the same senders and takes the same step. Five screens, in order:
+drops the same senders and takes the same step. Six screens, in order:
 
 1. Finite. A NaN or infinity anywhere drops the contribution.
 2. Counts. A contribution covering 0 tokens must be all zeros, and its token
@@ -17,7 +17,30 @@ drops the same senders and takes the same step. Five screens, in order:
    makes the screen work with two replicas (a gradient sent 1000 times too
    large is 1000 times its only peer's) while a single honest outlier among
    three still passes.
-4. Magnitude profile (with the direction screen, from step 1). AdamW's second
+4. Tensor scales (`tensor_sigmas`, on by default; needs the tensors' sizes,
+   so gradients only). An honest gradient's root-mean-square differs between
+   parameter tensors by orders of magnitude (embeddings, layer norms,
+   attention, MLP), in a pattern its replicas share from the first step;
+   isotropic noise of any total norm has the same RMS in every tensor, up to
+   sampling. The test of equal variances across tensors (Bartlett's
+   likelihood ratio, zero mean known) is chi-squared with T-1 degrees of
+   freedom for noise; a contribution whose statistic is within `tensor_sigmas`
+   standard deviations of that mean, as flat as noise, is dropped when another
+   contribution with traffic, or AdamW's second moment, is not flat by
+   EVIDENCE times the bound (a step whose contributions are all flat drops
+   nobody); a step's only contribution at step 0, with no witness at all, is
+   judged by the bound alone. It needs no optimizer history, so it closes
+   step 0, where two contributions with traffic used to go into the sum
+   unjudged. Over 400
+   steps (3 replicas, every stage of 1-, 2- and 3-stage cuts; 976 honest
+   contributions a stage) honest gradients came out at 626 sigma and up on
+   the tests' model and 4134 and up on the default one, noise of their norms
+   at most 4.5 (scripts/tensor_scale_margins.py), so the bound of 10 is on by
+   default. DiLoCo deltas pass no sizes: an AdamW step is about lr per element
+   in every tensor, whatever the gradient's scale, so evenness is no sign of
+   noise there. Not built: noise shaped to an honest tensor profile (a hostile
+   sender holds its own gradient's); only the direction screens judge that.
+5. Magnitude profile (with the direction screen, from step 1). AdamW's second
    moment (exp_avg_sq, identical everywhere) says which parameters have had
    large gradients; an honest gradient's magnitudes follow it, isotropic noise's
    do not: the correlation of log(g**2) with log(exp_avg_sq) over the n values,
@@ -28,7 +51,7 @@ drops the same senders and takes the same step. Five screens, in order:
    in `bench hostile`). Honest gradients came out at 38 to 930 sigma (default
    model, 40 steps, 1 and 3 stages) and 98 to 220 (the tests' tiny model, 100
    steps); noise at most 3.8.
-5. Direction. Noise of a plausible norm passes the norm screen; what gives
+6. Direction. Noise of a plausible norm passes the norm screen; what gives
    it away is that it is unrelated to everything: its cosine with every
    other witness is what a random vector's would be, within
    `direction_sigmas` / sqrt(n) of zero (n parameters). The witnesses are the
@@ -48,10 +71,11 @@ drops the same senders and takes the same step. Five screens, in order:
    the bound's 3; on the last stage of the test suite's tiny model (4-sample
    microbatches) an honest gradient came out as unrelated as noise while the
    other two related at 2-5 % of 196 steps (down to 1.5 sigma), so the screen
-   stays opt-in. At step 0 with two, the noise goes into the sum: withholding
-   both instead cost more than it saved (scripts/hostile_floor.py, seed 3:
-   6.0 % mean and 34 % worst step against 1.4 % and 9.6 %), since the steps
-   it withholds are the ones where the loss falls fastest. Only
+   stays opt-in. At step 0 with two this screen judges nobody (the
+   tensor-scale screen does): withholding both instead cost more than it
+   saved (scripts/hostile_floor.py, seed 3: 6.0 % mean and 34 % worst step
+   against 1.4 % and 9.6 %), since the steps it withholds are the ones where
+   the loss falls fastest. Only
    |cosine| counts: a negative one is not evidence of malice (a sign-flipped
    gradient is left to the centred clip).
 
@@ -79,7 +103,8 @@ float32 rounding boundary, one chance in about 1e9 per scalar.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -88,6 +113,7 @@ import torch
 Contribution = tuple[torch.Tensor, int, int]  # flat vector, tokens, samples
 Per = Literal["tokens", "samples"]
 MOMENTUM = "(momentum)"  # the reference vector's name among the direction screen's witnesses
+MOMENT = "(second moment)"  # exp_avg_sq's name among the tensor-scale screen's witnesses
 # The direction screen drops a vector as noise only when two of the other witnesses relate
 # at least this many times its bound (4.5 sigma at 3; two independent vectors do so about once
 # in 150 000 pairs), so a step whose honest vectors all come out unrelated (small batches of a
@@ -144,9 +170,15 @@ def screen(
     direction_sigmas: float = 0.0,
     reference: torch.Tensor | None = None,
     profile: torch.Tensor | None = None,
+    sizes: Sequence[int] | None = None,
+    tensor_sigmas: float = 0.0,
 ) -> dict[str, str]:
-    """Node id -> why its contribution fails the finite, count, norm, profile and direction
-    screens.
+    """Node id -> why its contribution fails the finite, count, norm, tensor-scale, profile
+    and direction screens.
+
+    `sizes` are the element counts of the parameter tensors the flat vectors are cut from,
+    in order; without them (DiLoCo deltas, whose AdamW-normalised steps are about equally
+    large in every tensor) the tensor-scale screen does not run.
 
     `reference` is a vector every replica holds bit-identical (the optimizer's first moment):
     one more witness for the direction screen, which runs only when three or more replicas
@@ -190,6 +222,9 @@ def screen(
     left = [n for n in sorted(norms) if n not in rejected and norms[n] > 0]
     if reference is not None and not bool(reference.any()):
         reference = None  # no momentum yet (step 0): nothing to compare with
+    if tensor_sigmas > 0 and sizes is not None and len(sizes) > 1:
+        rejected |= _flat(contributions, left, sizes, tensor_sigmas, profile)
+        left = [n for n in left if n not in rejected]
     if direction_sigmas > 0 and profile is not None and bool(profile.any()):
         for node in left:
             z = _profile_sigmas(contributions[node][0], profile)
@@ -201,6 +236,90 @@ def screen(
         left = [n for n in left if n not in rejected]
     if direction_sigmas > 0:
         rejected |= _unrelated(contributions, left, direction_sigmas, reference)
+    return rejected
+
+
+def tensor_mean_squares(flat: torch.Tensor, sizes: Sequence[int]) -> list[float]:
+    """The mean square of each parameter tensor's slice of `flat`, rounded to float32."""
+    return _tensor_means(flat, sizes, square=True)
+
+
+def _tensor_means(values: torch.Tensor, sizes: Sequence[int], *, square: bool) -> list[float]:
+    if sum(sizes) != values.numel():
+        raise ValueError(
+            f"tensor sizes sum to {sum(sizes)} but the contribution has {values.numel()} values"
+        )
+    # One tensor at a time in float64, so the copy is never larger than the largest tensor.
+    sums = torch.stack(
+        [
+            (chunk.double().square() if square else chunk.double()).sum()
+            for chunk in torch.split(values, list(sizes))
+        ]
+    )
+    return [_f32(s / n) for s, n in zip(sums.tolist(), sizes, strict=True)]
+
+
+def flatness_sigmas(mean_squares: Sequence[float], sizes: Sequence[int]) -> float | None:
+    """How many standard deviations above what isotropic noise gives the spread of the
+    tensors' mean squares is, or None with fewer than two nonzero tensors to compare.
+
+    Bartlett's statistic for equal variances (zero mean known), M = n ln(pooled) -
+    sum(n_t ln(ms_t)), with its small-sample correction, is about chi-squared with T-1
+    degrees of freedom when every value is drawn alike. All-zero tensors are left out: an
+    honest stage may have a parameter nothing reached, and zeroing one tensor must not be
+    all it takes to make noise look uneven."""
+    pairs = [(ms, size) for ms, size in zip(mean_squares, sizes, strict=True) if ms > 0]
+    t = len(pairs)
+    if t < 2:
+        return None
+    n = sum(size for _, size in pairs)
+    pooled = math.fsum(ms * size for ms, size in pairs) / n
+    m = math.fsum(size * math.log(pooled / ms) for ms, size in pairs)
+    correction = 1 + (math.fsum(1 / size for _, size in pairs) - 1 / n) / (3 * (t - 1))
+    return _f32((m / correction - (t - 1)) / math.sqrt(2 * (t - 1)))
+
+
+def _flat(
+    contributions: Mapping[str, Contribution],
+    left: list[str],
+    sizes: Sequence[int],
+    sigmas: float,
+    profile: torch.Tensor | None,
+) -> dict[str, str]:
+    """The tensor-scale screen: who has the same RMS in every tensor, as isotropic noise
+    has, while another contribution or the second moment shows that honest ones do not.
+
+    A step's only contribution at step 0 has no witness at all; it is judged by what every
+    honest gradient measured showed (hundreds of sigma or more): the cost of that prior
+    being wrong for some model is one step's update, never a bench (that takes two
+    verdicts, and from step 1 the second moment is a witness)."""
+    spread: dict[str, float] = {}
+    for node in left:
+        z = flatness_sigmas(tensor_mean_squares(contributions[node][0], sizes), sizes)
+        if z is not None:
+            spread[node] = z
+    if profile is not None:
+        # exp_avg_sq is a mean of squares already: its per-tensor means are mean squares.
+        z = flatness_sigmas(_tensor_means(profile, sizes, square=False), sizes)
+        if z is not None:
+            spread[MOMENT] = z
+    rejected: dict[str, str] = {}
+    for node in left:
+        if node not in spread or spread[node] >= sigmas:
+            continue
+        witness = max((n for n in spread if n != node), key=lambda n: spread[n], default=None)
+        if witness is None:
+            because = "nothing else at this step to compare with, and honest gradients differ"
+        elif spread[witness] >= EVIDENCE * sigmas:
+            name = "the optimizer second moment" if witness == MOMENT else witness
+            because = f"{name}'s differ ({spread[witness]:.3g} sigma)"
+        else:
+            continue  # nothing shows that this step's honest tensors differ: drop nobody
+        rejected[node] = (
+            f"its {len(sizes)} parameter tensors have as equal a root-mean-square as random "
+            f"noise's ({spread[node]:.3g} sigma from equal; the bound is {sigmas:g}) while "
+            f"{because}"
+        )
     return rejected
 
 
@@ -315,6 +434,8 @@ def aggregate(
     direction_sigmas: float = 0.0,
     reference: torch.Tensor | None = None,
     profile: torch.Tensor | None = None,
+    sizes: Sequence[int] | None = None,
+    tensor_sigmas: float = 0.0,
 ) -> Aggregate:
     """Screen the contributions, drop the failures, and combine the rest (see the module)."""
     rejected = screen(
@@ -324,6 +445,8 @@ def aggregate(
         direction_sigmas=direction_sigmas,
         reference=reference,
         profile=profile,
+        sizes=sizes,
+        tensor_sigmas=tensor_sigmas,
     )
     kept = {n: contributions[n] for n in sorted(contributions) if n not in rejected}
     if not kept:

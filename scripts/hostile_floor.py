@@ -21,7 +21,8 @@ JSON, one entry per seed and policy, each beside `clean`:
   screens of the run's config judge it.
 
 Figures are the per-step relative difference of the loss from clean's: mean,
-max, the steps past 2 %, and the mean over the last four.
+max, the steps past 2 %, and the mean over the last four; each drop is listed
+as (step, sender, the start of the screen's reason).
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ def replay(overrides: list[str], steps: int, policy: str, seed: int) -> dict[str
     config = load_config(None, ["pipeline.stages=1", *overrides])
     robust = config.robust
     runtime = StageRuntime(config, 0)
+    sizes = [p.numel() for p in runtime.module.parameters()]
     corpus = Corpus.load(config.data, config.model.context, config.train.seed)
     train = config.train
     dealer = random.Random(seed + (1000 if policy == "clean_again" else 0))
     suspects = Suspects(bench_s=1e9, verdicts=robust.bench_verdicts)
     benched: dict[str, int] = {}
     losses: list[float] = []
-    drops: list[tuple[int, str]] = []
+    drops: list[tuple[int, str, str]] = []
     for step in range(steps):
         serving = [n for n in NODES if n not in benched]
         sums: dict[str, list[Contribution]] = {n: [] for n in serving}
@@ -108,10 +110,13 @@ def replay(overrides: list[str], steps: int, policy: str, seed: int) -> dict[str
             direction_sigmas=robust.direction_sigmas,
             reference=gradient_momentum(runtime),
             profile=gradient_momentum(runtime, "exp_avg_sq"),
+            sizes=sizes,
+            tensor_sigmas=robust.tensor_sigmas,
         )
         runtime.apply_step(step, result.total)
         for suspect in sorted(dropped | set(result.rejected)):
-            drops.append((step, suspect))
+            # Which screen: an honest replica dropped in a clean replay is a false drop.
+            drops.append((step, suspect, result.rejected.get(suspect, "the policy")[:48]))
             for reporter in (n for n in serving if n != suspect):
                 peers = set(serving) - {suspect}
                 entry = suspects.report(

@@ -62,7 +62,26 @@ async def test_noise_of_the_same_norm_is_dropped_by_every_replica_alike(
     for total, accepted in results:
         assert total is not None and accepted == 2
         assert torch.equal(total[0], torch.zeros_like(grad_a) + grad_a + grad_b)
-    assert "dropped x's contribution: its direction is as unrelated" in caplog.text
+    # The tensor-scale screen (on by default) judges it first: its tensors are equally large.
+    assert "dropped x's contribution: its 29 parameter tensors have as equal a" in caplog.text
+
+
+async def test_noise_beside_one_honest_gradient_at_step_0_is_dropped_by_every_replica(
+    trio: tuple[Replica, Replica, Replica], caplog: pytest.LogCaptureFixture
+) -> None:
+    # b idle: two with traffic and no optimizer moments yet, the case where the noise of
+    # `bench hostile` used to go into the sum (nothing told which of the two was noise).
+    a, _, x = trio
+    grad_a = a.train_on(1)
+    x.train_on(3)
+    x.replica_sync.hostile = Hostile("noise")
+    with caplog.at_level(logging.WARNING):
+        results = await asyncio.gather(*(r.replica_sync.reduce(0) for r in trio))
+    for total, accepted in results:
+        assert total is not None and accepted == 2  # a and idle b
+        assert torch.equal(total[0], torch.zeros_like(grad_a) + grad_a)
+        assert total[1:] == (16, 2)
+    assert caplog.text.count("dropped x's contribution: its 29 parameter tensors") == 2
 
 
 async def test_three_honest_replicas_take_the_same_centred_clip_step(
