@@ -420,7 +420,7 @@ def test_an_absurd_activation_is_invalid_argument_and_its_sender_benched(  # typ
     as_n0.close()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "root-mean-square" in (err.value.details() or ""), err.value.details()
-    assert "the bound is 100x" in (err.value.details() or "")
+    assert "the bound is 1000x" in (err.value.details() or "")
     ready = json.loads((module_procs.tmp / "coordinator.ready.json").read_text())
     channel = grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}")
     try:
