@@ -224,11 +224,14 @@ def test_a_scheduled_kill_is_not_a_crash_and_the_node_rejoins(
     assert start["at_seconds"] > kill["at_seconds"] and report["churn_not_reached"] == []
     seen = [s["seen_at_seconds"] for s in report["steps"]]
     assert seen == sorted(seen) and seen[kill["step"] - 1] <= kill["at_seconds"]
-    # The timeline saw n3 go offline after its kill and serve again after its start.
+    # The timeline saw n3 go offline after its kill and serve again after its start. It
+    # joins again as any joiner does, where placement wants it: on slow links the heads'
+    # stage measures slowest, so it may come back there (and a replica then moves to the
+    # stage it left: "second replica").
     n3 = [t for t in report["node_timeline"] if t["node"] == "n3"]
     went = next(t for t in n3 if not t["online"] and t["seconds"] >= kill["at_seconds"])
     back = next(t for t in n3 if t["serving"] and t["seconds"] > went["seconds"])
-    assert back["seconds"] >= start["at_seconds"] and back["stage"] == kill["stage"]
+    assert back["seconds"] >= start["at_seconds"] and back["stage"] in (0, 1)
     # The same id came back (state transfer from the survivor) and ended in step with it.
     (again,) = [m for m in report["members"] if m["node_id"] == "n3"]
     peers = [m for m in report["members"] if m["stage"] == again["stage"]]
