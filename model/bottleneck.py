@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmpipe.config import ModelConfig, RunConfig
+from swarmpipe.model.adamw import AdamW
 from swarmpipe.model.gpt import Embedding, layer_generator
 
 
@@ -126,7 +127,7 @@ def build_bottleneck_up(cfg: ModelConfig, seed: int, boundary: int) -> Bottlenec
     return module
 
 
-def build_optimizer(module: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
+def build_optimizer(module: nn.Module, cfg: RunConfig) -> AdamW:
     """AdamW over `module`, with the boundary projections at `model.bottleneck_lr_scale`
     times the learning rate.
 
@@ -150,4 +151,4 @@ def build_optimizer(module: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
     groups: list[dict[str, Any]] = [{"params": rest}]
     if projections:
         groups.append({"params": projections, "lr": t.lr * cfg.model.bottleneck_lr_scale})
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    return AdamW(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)

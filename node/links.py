@@ -94,9 +94,12 @@ class Transfer:
         self.bytes = 0
         self._handed = 0  # bytes of the message the caller is sending now
         self._lag: float | None = None  # this transfer's delay, fixed at its first message
+        self._metered = False  # whether the meter counts this transfer as busy now
+        self._closed = False
 
     async def __aenter__(self) -> Transfer:
         self._link.meter.begin()
+        self._metered = True
         return self
 
     async def __aexit__(
@@ -107,7 +110,13 @@ class Transfer:
     ) -> None:
         # Bytes of a failed transfer did cross the link, so they count all the same.
         self._flush()
-        self._link.meter.end()
+        self._closed = True
+        # A streaming call reads its messages in a task of gRPC's: when the call fails (the
+        # peer died), this exit may come while that task still sleeps out the delay in
+        # `pace`, the meter already released. Ending it again crashed the node.
+        if self._metered:
+            self._metered = False
+            self._link.meter.end()
         if self.bytes:
             self._direction.last_bytes = self.bytes
 
@@ -132,11 +141,15 @@ class Transfer:
             self._handed = nbytes
             if self._lag > 0:
                 self._flush()  # released: its bytes are on the line, the rest is delay
-                link.meter.end()
+                if self._metered:
+                    self._metered = False
+                    link.meter.end()
                 try:
                     await asyncio.sleep(self._lag)
                 finally:
-                    link.meter.begin()
+                    if not self._closed:  # else nobody would end it: the link stays busy
+                        link.meter.begin()
+                        self._metered = True
             return
         await link.bucket.acquire(nbytes, lag=self._lag)
         self._handed = nbytes

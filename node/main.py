@@ -18,6 +18,7 @@ import logging
 import os
 from pathlib import Path
 
+from swarmpipe.config import check_device_spec
 from swarmpipe.errors import ConfigError, CoordinatorUnavailable, NotAdmitted
 from swarmpipe.process.metrics_flags import add_metrics_arguments, metrics_endpoint
 from swarmpipe.transport.limits import MBIT, check_latency_ms, check_limit
@@ -151,6 +152,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--broker-retry {args.broker_retry:g}: give 0 < seconds <= 600")
     if args.node_id == ALL:
         raise ConfigError(f"--node-id {ALL!r} is reserved: it addresses every node of a run")
+    if args.device:  # a misspelt one is refused at once; whether it is here needs torch
+        check_device_spec(args.device, what="--device")
     # Imported only now: the daemon imports torch (seconds on a loaded machine), which
     # `swarmpipe node --help` and a bad flag above must not wait for (process/subcommands.py).
     from swarmpipe.node.daemon import NodeDaemon, NodeOptions, default_node_id, set_torch_threads

@@ -25,6 +25,7 @@ import torch
 
 from swarmpipe.compression.codec import DTYPES, dtype_enum
 from swarmpipe.errors import PeerError
+from swarmpipe.model.adamw import AdamW
 from swarmpipe.protos import state_pb2
 from swarmpipe.storage.checkpoints import CHUNK_BYTES, StateStream, start_digest, tensor_bytes
 
@@ -87,7 +88,7 @@ class StateSnapshot:
 
 def take_snapshot(
     module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamW,
     *,
     step: int,
     run_id: str,
@@ -234,7 +235,7 @@ class ReceivedState:
     def digest(self) -> str:
         return hashlib.sha256(self.manifest.sha256).hexdigest()[:16]
 
-    def load_into(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def load_into(self, module: torch.nn.Module, optimizer: AdamW) -> None:
         """Copy parameters and AdamW state into the stage (run on the compute thread)."""
         params = dict(_param_specs(module))
         offset = 0

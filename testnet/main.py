@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from swarmpipe.config import RunConfig, add_config_arguments, load_config
+from swarmpipe.config import RunConfig, add_config_arguments, check_device_spec, load_config
 from swarmpipe.control import link_control
 from swarmpipe.control.bus import BrokerAddress, parse_broker_url
 from swarmpipe.control.status_view import sample_counters
@@ -185,6 +185,7 @@ async def serve(args: argparse.Namespace) -> int:
         if args.broker or args.metrics:
             raise ConfigError("--netns runs the embedded broker and no --metrics; leave those out")
     if args.device:  # as a node would refuse it, but before any process starts
+        check_device_spec(args.device, what="--device")  # a misspelt one: before torch
         from swarmpipe.node.device import resolve_device
 
         resolve_device(args.device)

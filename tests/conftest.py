@@ -21,6 +21,7 @@ import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
 from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CREDENTIAL_KEY, ROLE_COORDINATOR, RunKey
+from tests.reaper import start_reaper
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,6 +49,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "torch" in sys.modules:  # a plugin got there first: the variable came too late
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # Whatever this process starts from here on is killed if it dies unreaped (SIGKILL, a
+    # CI timeout): tests/reaper.py. Each xdist worker runs this too, with its own watcher.
+    start_reaper()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

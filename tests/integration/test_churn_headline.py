@@ -28,9 +28,13 @@ from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-# Long enough for the kills, three process starts and state downloads (a
-# hundred steps or more of this tiny model on a loaded machine) before the end.
-STEPS = 400
+# Long enough for the kills, three process starts and state downloads before the end: with
+# SLOW_LINKS about 1.4 steps a second on 6 nodes (measured on 2 busy cores), so 120 steps
+# give the joiners over a minute. Flat out, the tiny model ran 8 steps a second and needed
+# 400 steps for the same minute: each step costs the swarm about 0.18 CPU-s either way, so
+# the latency cuts the scenario's CPU by more than half, which the other worker gets.
+STEPS = 120
+SLOW_LINKS = "pipeline.link_latency_ms=100"
 # Five layers, not the tiny model's four: cut into 3 stages, four layers give stage 0 half
 # the work of stage 1 (model/stage_cost.py), so one stage-0 replica is as fast as two of
 # stage 1, and whether the fleet goes back to two replicas a stage is left to noise in
@@ -42,7 +46,9 @@ EVEN_STAGES = "model.n_layers=5"
 
 def test_replicas_killed_and_replaced_during_the_run_lose_nothing(procs, tiny) -> None:  # type: ignore[no-untyped-def]
     settings = [*tiny, EVEN_STAGES, "pipeline.stages=3", f"train.steps={STEPS}"]
-    target = procs.coordinator(*settings, "coordinator.min_nodes=6", "pipeline.reduce_timeout_s=60")
+    target = procs.coordinator(
+        *settings, SLOW_LINKS, "coordinator.min_nodes=6", "pipeline.reduce_timeout_s=60"
+    )
     nodes = procs.nodes(6, target)
     channel = grpc.insecure_channel(target)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -107,11 +113,12 @@ def test_a_stage_left_with_one_replica_while_another_has_three_gets_a_second(pro
     every stage still has two replicas (as when it registers before the coordinator has seen
     the death of the node it replaces), then a replica of another stage dies. The
     coordinator moves a replica there at once (every node is inside its cool-down)."""
-    # STEPS, as above: one process start and a move come before the end here, where the
-    # headline test needs three starts after kills as late as step 13.
-    steps = STEPS
+    # Fewer than STEPS: one process start and a move come before the end here (by step 5 on
+    # 2 busy cores), where the headline test needs three starts after kills as late as
+    # step 13 (it healed by step 20).
+    steps = 80
     settings = [*tiny, EVEN_STAGES, "pipeline.stages=3", f"train.steps={steps}"]
-    target = procs.coordinator(*settings, "coordinator.min_nodes=6")
+    target = procs.coordinator(*settings, SLOW_LINKS, "coordinator.min_nodes=6")
     nodes = procs.nodes(6, target)
     channel = grpc.insecure_channel(target)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)

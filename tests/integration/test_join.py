@@ -39,13 +39,15 @@ def _equal_step(watch: Watch, after: int) -> coordinator_pb2.StatusReply | None:
 def test_nodes_joining_a_running_run_copy_their_stage_and_stay_equal(
     procs, tiny, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    # Long enough never to finish here: the test compares the replicas mid-run.
+    # Long enough never to finish here: the test compares the replicas mid-run. 100 ms
+    # each way: the run has to go on while nodes start and join, not burn both cores.
     coordinator = procs.coordinator(
         *tiny,
         "pipeline.stages=2",
         "train.steps=100000",
         "coordinator.min_nodes=2",
         "checkpoint.every_steps=0",
+        "pipeline.link_latency_ms=100",
     )
     watch = Watch(coordinator)
     try:

@@ -104,6 +104,22 @@ def test_bad_devices_and_presets_exit_2_with_one_line_before_anything_starts(
         assert not any(tmp_path.iterdir()), "the testnet started something"
 
 
+def test_a_misspelt_device_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    """The answer comes at once (importing torch takes a CPU-second and more)."""
+    code = (
+        "import sys\n"
+        "from swarmpipe.cli import main\n"
+        "codes = [main(['node', '--coordinator', '127.0.0.1:9', '--device', 'gpu']),\n"
+        "         main(['testnet', '--device', 'gpu', '--out', sys.argv[1]])]\n"
+        "sys.exit(0 if codes == [2, 2] and 'torch' not in sys.modules else f'{codes}')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("--device 'gpu' is not a device") == 2, done.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason=NO_CUDA)
 def test_cuda_on_a_machine_without_cuda_exits_2_before_joining() -> None:

@@ -153,3 +153,25 @@ def test_a_delay_out_of_range_is_refused() -> None:
         with pytest.raises(ConfigError, match="out of range"):
             node_links.set_latency(None, seconds)
     assert node_links.latency_s == 0.0
+
+
+async def test_a_transfer_closed_while_its_first_message_sleeps_out_the_delay(
+    vt: VirtualTime,
+) -> None:
+    """A Reduce stream's messages are read by gRPC's own task: a call that fails (its peer
+    died) closes the transfer while that task still waits in `pace`. The meter stays
+    balanced, and the link measures again afterwards (a node once crashed here)."""
+    node_links = _links(vt, rate=2 * MB, latency_s=0.5)
+
+    async def call_fails_mid_delay() -> None:
+        transfer = node_links.transfer("n1", "reduce")
+        await transfer.__aenter__()
+        pacing = asyncio.ensure_future(transfer.pace(100))
+        await vt.sleep(0.1)  # the reader is in the delay, the meter released
+        await transfer.__aexit__(None, None, None)
+        await pacing
+
+    await vt.run(call_fails_mid_delay())
+    for _ in range(3):
+        await vt.run(_send(node_links, vt, "n1", [50_000, 50_000]))
+    assert node_links.bytes_per_second("n1") == pytest.approx(2 * MB)

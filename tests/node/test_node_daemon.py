@@ -340,6 +340,9 @@ def test_presence_is_visible_to_a_third_party_mqtt_client(procs, tiny) -> None: 
         *[arg for s in tiny for arg in ("--set", s)],
         "--set",
         "train.steps=1000",
+        # The nodes train while the test watches their presence: slowly, not on both cores.
+        "--set",
+        "pipeline.link_latency_ms=100",
     )
     broker = parse_broker_url(coord["broker_url"])
     seen: dict[str, list[bool]] = {}
