@@ -121,7 +121,7 @@ def test_testnet_trains_reports_and_leaves_nothing(tmp_path: Path, tiny: list[st
 def test_a_coordinator_killed_from_outside_is_started_again_and_the_run_finishes(
     tmp_path: Path, tiny: list[str]
 ) -> None:
-    popen = _start(tmp_path, tiny, "--steps", "400", "--nodes", "3")
+    popen = _start(tmp_path, tiny, "--steps", "40", "--nodes", "3", *SLOW_LINKS)
     logs = tmp_path / "logs"
     poll_until(lambda: read_ready_file(logs / "coordinator.ready.json"), 60, "the coordinator")
     coordinator = read_ready_file(logs / "coordinator.ready.json")
@@ -139,7 +139,7 @@ def test_a_coordinator_killed_from_outside_is_started_again_and_the_run_finishes
     output = _finish(popen)
     assert popen.returncode == 0, output
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["counters"]["lost"] == 0 and len(report["steps"]) == 400
+    assert report["counters"]["lost"] == 0 and len(report["steps"]) == 40
     died, started = [r for r in report["churn"] if r["node"] == "coordinator"]
     assert (died["action"], died["outcome"]) == (
         "died",
