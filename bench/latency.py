@@ -20,7 +20,8 @@ Three comparisons, each side by side in this one invocation (issue 23):
 0,1: `train.step_overlap`, steps opened ahead of the current one; at depth 1 the next step's
 first microbatches fill the pipeline while the last ones drain; docs/design.md "Overlapping
 steps"), side by side: `auto` is depth 0, `auto_overlap` depth 1 and `auto_depth_<k>` depth
-k, each far run beside its own near run, with its ratio (`<name>_far_over_near`), its loss
+k, each far run beside its own near run (without `--quick` the fixed window of 2 too, at
+depth 0 and at the deepest depth given), with its ratio (`<name>_far_over_near`), its loss
 after the run's steps, and the smallest depth whose far run reaches the target
 (`smallest_depth_at_target`, null if none). `--quick` leaves out the fixed-window and
 2-sample runs.
@@ -231,6 +232,11 @@ def serve(args: argparse.Namespace) -> int:
         window = {depth_kind(d): depth_settings(d) for d in depths}
         if not args.quick:
             window["fixed_2"] = ["pipeline.in_flight=2"]
+            deepest = max(depths)
+            if deepest:
+                # The fixed window at the deepest overlap too: what sizing it still adds.
+                fixed = ["pipeline.in_flight=2", *depth_settings(deepest)[1:]]
+                window[f"fixed_2_depth_{deepest}"] = fixed
         kinds = list(window)
         runs = [
             (f"{where}_{kind}", window[kind], flags)
