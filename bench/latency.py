@@ -26,6 +26,13 @@ after the run's steps, and the smallest depth whose far run reaches the target
 (`smallest_depth_at_target`, null if none). `--quick` leaves out the fixed-window and
 2-sample runs.
 
+`staleness` (not run by default) says what each depth in `--depths` costs in quality, on
+its own: the default model trained in one process for `--staleness-steps` steps under the
+coordinator's rule on a settled swarm (every step opened as early as the depth allows, the
+checkpoint steps drain; `StepProtocol` itself decides), each step's gradient on its recorded
+version, as `model/reference.py` replays a lossless testnet to 1e-4. It reports the final
+training loss (mean of the last 10 steps) and the held-out loss at the end, per depth.
+
 Samples/s here are over whole step cycles, boundaries included: the samples of steps 2 to
 n-1 over the time from step 1's last commit to step n-1's (step 0 pays for start-up). Ends,
 not openings: under overlap a step opens while the one before still trains. The
@@ -43,9 +50,10 @@ from typing import Any
 
 from swarmpipe.bench.pipeline import run_testnet, single_process
 from swarmpipe.config import MAX_OVERLAP_DEPTH, add_config_arguments, load_config
+from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.testnet.time_breakdown import link_utilisation
 
-PARTS = ("compute", "slow", "far")
+PARTS = ("compute", "slow", "far", "staleness")
 COMPUTE_MODEL = ["model.n_layers=6", "model.d_model=256", "model.n_heads=4"]
 LOSSLESS = ["pipeline.activation_codec=lossless", "pipeline.gradient_codec=lossless"]
 OVERLAP = "train.step_overlap=true"
@@ -78,7 +86,9 @@ def parse_depths(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS)
+        "--parts",
+        default=",".join(PARTS[:3]),
+        help="comma-separated: " + ", ".join(PARTS) + " (default: all but staleness)",
     )
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per testnet")
     parser.add_argument("--nodes", type=int, default=3, help="testnet nodes")
@@ -103,8 +113,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="overlap depths (train.step_overlap) of the auto runs in the slow and far parts, "
         "comma-separated, e.g. 0,1,3",
     )
+    parser.add_argument(
+        "--staleness-steps",
+        type=int,
+        default=100,
+        help="steps of the staleness part's single-process runs",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--out", help="write the JSON here too")
+
+
+def eager_trains_on(steps: int, depth: int, drain_every: int) -> list[int]:
+    """What each step trains on when every step opens as early as `depth` allows: the
+    coordinator's own bookkeeping (StepProtocol) on a settled swarm whose microbatches all
+    come back before each step is applied."""
+    p = StepProtocol(
+        total_steps=steps,
+        global_batch=1,
+        microbatch=1,
+        lease_timeout_s=1.0,
+        depth=depth,
+        drain_every=drain_every,
+    )
+    p.start()
+    while p.phase is not Phase.SAVING:
+        while p.open_ahead(settled=True):
+            pass
+        while (lease := p.lease("n")) is not None:
+            p.commit("n", lease.lease_id, 0.0, 1)
+        p.await_acks({"n"})
+        p.ack("n", p.step)
+    return [p.trains_on(s) for s in range(steps)]
+
+
+def staleness(settings: list[str], depths: list[int], steps: int) -> dict[str, Any]:
+    """Training loss and held-out loss after `steps` single-process steps per depth."""
+    from swarmpipe.model.reference import train_single_process
+
+    rows = []
+    for depth in depths:
+        config = load_config(
+            None,
+            [
+                *settings,
+                *depth_settings(depth),
+                f"train.steps={steps}",
+                f"train.eval_every={steps}",
+            ],
+        )
+        trains_on = eager_trains_on(steps, depth, config.checkpoint.every_steps)
+        evals: list[tuple[int, float]] = []
+        losses = train_single_process(config, evals=evals, trains_on=trains_on)
+        rows.append(
+            {
+                "depth": depth,
+                "most_steps_behind": max(s - on for s, on in enumerate(trains_on)),
+                "mean_steps_behind": sum(s - on for s, on in enumerate(trains_on)) / steps,
+                "final_train_loss": sum(losses[-10:]) / len(losses[-10:]),
+                "heldout_loss": evals[-1][1],
+            }
+        )
+    return {"steps": steps, "by_depth": rows}
 
 
 def cycle_samples_per_second(report: dict[str, Any]) -> float:
@@ -172,6 +241,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if args.staleness_steps < 1:
+        raise SystemExit("--staleness-steps must be at least 1")
     if args.steps < 4:
         raise SystemExit("--steps must be at least 4 (step 0 and the last are not counted)")
     depths = parse_depths(args.depths)
@@ -287,6 +358,8 @@ def serve(args: argparse.Namespace) -> int:
         reached = [row["depth"] for row in far["by_depth"] if row["far_over_near"] >= 0.90]
         far["smallest_depth_at_target"] = min(reached) if reached else None
         result["far"] = far
+    if "staleness" in parts:
+        result["staleness"] = staleness(args.set, depths, args.staleness_steps)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

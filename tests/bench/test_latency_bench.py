@@ -9,6 +9,7 @@ from swarmpipe.bench.latency import (
     cycle_samples_per_second,
     depth_kind,
     depth_settings,
+    eager_trains_on,
     parse_depths,
 )
 
@@ -52,3 +53,12 @@ def test_depths_name_their_runs_and_bad_ones_are_one_line() -> None:
     for bad in ("0,x", "1,1", "9", ""):
         with pytest.raises(SystemExit, match="--depths"):
             parse_depths(bad)
+
+
+def test_the_staleness_part_replays_the_coordinators_opening_rule() -> None:
+    # Depth k: steps 1..k open with step 0; then each trains k steps behind, until a
+    # checkpoint step (10) drains and the steps after it train on its parameters.
+    assert eager_trains_on(12, 0, 10) == list(range(12))
+    assert eager_trains_on(12, 1, 10) == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 10]
+    assert eager_trains_on(12, 3, 10) == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 10, 10]
+    assert eager_trains_on(6, 3, 0) == [0, 0, 0, 0, 1, 2]
