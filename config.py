@@ -50,6 +50,10 @@ AUTO_CODEC = "auto"
 """The codec setting that lets each sender pick a codec per link from what it measures."""
 AUTO_IN_FLIGHT = "auto"
 """pipeline.in_flight sized by each head from what it measures (node/in_flight.py)."""
+MAX_OVERLAP_DEPTH = 8
+"""The deepest train.step_overlap: each node holds a frozen copy of its stage's parameters
+per version an open step may train on (depth + 1 of them), and past a handful of steps the
+staleness costs more than the round trip it hides (docs/latency.md)."""
 ROUNDING_ROLES = ("activation", "gradient", "reduce")
 """The tensor roles `pipeline.stochastic_rounding` may name."""
 DEFAULT_STOCHASTIC_ROUNDING = ("activation", "gradient")
@@ -229,20 +233,32 @@ class TrainConfig:
     precision: str = "fp32"
     """"fp32", or "bf16": forward and backward under bfloat16 autocast (CPU and CUDA) with
     fp32 parameters, gradients and AdamW state, so only the matmuls lose precision."""
-    step_overlap: bool = False
-    """Open step s+1 while step s still trains or reduces, once step s-1 is applied
+    step_overlap: bool | int = False
+    """How many steps may open ahead of the current one (a depth k; true is 1, false 0).
+    At k = 1, step s+1 opens while step s still trains or reduces, once step s-1 is applied
     everywhere (a one-step gradient delay, as PipeDream-2BW): step s+1's every microbatch
     then trains on the parameters after step s-1, and its gradient is applied to the
-    parameters after step s. Steps after a change of membership, at checkpoints, the first
-    and after a coordinator restart train on the newest parameters, as without it.
-    report.json records what each step trained on (`trains_on`). Off: every step trains on
-    the parameters of the step before, and the pipeline drains at every step."""
+    parameters after step s. At k, step s+j opens once step s+j-k-1 is applied everywhere
+    and trains on the newest parameters applied everywhere then (up to k steps old): more
+    steps in flight hide a longer round trip, at the price of staler gradients. Steps after
+    a change of membership, at checkpoints, the first and after a coordinator restart train
+    on the newest parameters, as without it. report.json records what each step trained on
+    (`trains_on`). Off: every step trains on the parameters of the step before, and the
+    pipeline drains at every step. At most 8: each node keeps a frozen copy of its stage's
+    parameters per version open steps may train on (k+1)."""
     device: str = "auto"
     """Where each node's stage trains unless its `swarmpipe node --device` says otherwise:
     "auto" (the CUDA GPU with the least memory in use, else the CPU), "cpu", "cuda" (the
     current GPU) or "cuda:N"."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.step_overlap, bool) and not (
+            0 <= self.step_overlap <= MAX_OVERLAP_DEPTH
+        ):
+            raise ConfigError(
+                f"train.step_overlap={self.step_overlap}: give true, false or a depth from 0 "
+                f"to {MAX_OVERLAP_DEPTH} (steps opened ahead of the current one)"
+            )
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"train.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}"
@@ -262,6 +278,11 @@ class TrainConfig:
             raise ConfigError("train.lr must be positive")
         if self.seed < 0:
             raise ConfigError("train.seed must be >= 0")
+
+    @property
+    def overlap_depth(self) -> int:
+        """train.step_overlap as a number of steps opened ahead (true: 1, false: 0)."""
+        return int(self.step_overlap)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -709,10 +730,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must have {len(args)} items")
         return tuple(_coerce(a, v, where) for a, v in zip(args, value, strict=True))
     if origin in (typing.Union, types.UnionType):
-        # A number or a word (pipeline.in_flight = 4 or "auto"): the member the value is;
-        # __post_init__ checks which words are allowed.
+        # A number or a word (pipeline.in_flight = 4 or "auto"), or a switch or a number
+        # (train.step_overlap = true or 3): the member the value is; __post_init__ checks
+        # which words and numbers are allowed.
         for member in typing.get_args(tp):
-            if member in (int, float, str) and isinstance(value, member):
+            if member in (int, float, str, bool) and isinstance(value, member):
                 if not (member is int and isinstance(value, bool)):
                     return value
         names = " or ".join(m.__name__ for m in typing.get_args(tp))

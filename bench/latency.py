@@ -16,10 +16,22 @@ Three comparisons, each side by side in this one invocation (issue 23):
 - `far`: every link at 100 Mbit/s and 50 ms one way: samples/s over the same run without
   the delay (target 0.90), in_flight auto beside a fixed 2.
 
-`slow` and `far` also run each auto setting with `train.step_overlap = true` (a one-step
-gradient delay: the next step's first microbatches fill the pipeline while the last ones
-drain; docs/design.md "Overlapping steps"), beside the synchronous runs, and give the same
-ratios for it (`*_overlap`). `--quick` leaves out the fixed-window and 2-sample runs.
+`slow` and `far` also run each auto setting at every overlap depth in `--depths` (default
+0,1: `train.step_overlap`, steps opened ahead of the current one; at depth 1 the next step's
+first microbatches fill the pipeline while the last ones drain; docs/design.md "Overlapping
+steps"), side by side: `auto` is depth 0, `auto_overlap` depth 1 and `auto_depth_<k>` depth
+k, each far run beside its own near run (without `--quick` the fixed window of 2 too, at
+depth 0 and at the deepest depth given), with its ratio (`<name>_far_over_near`), its loss
+after the run's steps, and the smallest depth whose far run reaches the target
+(`smallest_depth_at_target`, null if none). `--quick` leaves out the fixed-window and
+2-sample runs.
+
+`staleness` (not run by default) says what each depth in `--depths` costs in quality, on
+its own: the default model trained in one process for `--staleness-steps` steps under the
+coordinator's rule on a settled swarm (every step opened as early as the depth allows, the
+checkpoint steps drain; `StepProtocol` itself decides), each step's gradient on its recorded
+version, as `model/reference.py` replays a lossless testnet to 1e-4. It reports the final
+training loss (mean of the last 10 steps) and the held-out loss at the end, per depth.
 
 Samples/s here are over whole step cycles, boundaries included: the samples of steps 2 to
 n-1 over the time from step 1's last commit to step n-1's (step 0 pays for start-up). Ends,
@@ -37,18 +49,46 @@ from pathlib import Path
 from typing import Any
 
 from swarmpipe.bench.pipeline import run_testnet, single_process
-from swarmpipe.config import add_config_arguments, load_config
+from swarmpipe.config import MAX_OVERLAP_DEPTH, add_config_arguments, load_config
+from swarmpipe.coordinator.step_protocol import Phase, StepProtocol
 from swarmpipe.testnet.time_breakdown import link_utilisation
 
-PARTS = ("compute", "slow", "far")
+PARTS = ("compute", "slow", "far", "staleness")
 COMPUTE_MODEL = ["model.n_layers=6", "model.d_model=256", "model.n_heads=4"]
 LOSSLESS = ["pipeline.activation_codec=lossless", "pipeline.gradient_codec=lossless"]
 OVERLAP = "train.step_overlap=true"
 
 
+def depth_kind(depth: int) -> str:
+    """The run name of the auto window at an overlap depth (0 and 1 keep their old names)."""
+    return {0: "auto", 1: "auto_overlap"}.get(depth, f"auto_depth_{depth}")
+
+
+def depth_settings(depth: int) -> list[str]:
+    """The auto window at an overlap depth (1 is written `true`, as configs do)."""
+    overlap = {0: [], 1: [OVERLAP]}.get(depth, [f"train.step_overlap={depth}"])
+    return ["pipeline.in_flight=auto", *overlap]
+
+
+def parse_depths(text: str) -> list[int]:
+    """--depths: distinct overlap depths 0 to MAX_OVERLAP_DEPTH, in the order given."""
+    try:
+        depths = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"--depths {text!r}: give comma-separated whole numbers, e.g. 0,1,3"
+        ) from None
+    top = MAX_OVERLAP_DEPTH
+    if not depths or len(set(depths)) != len(depths) or not all(0 <= d <= top for d in depths):
+        raise SystemExit(f"--depths {text!r}: give distinct depths from 0 to {top}, e.g. 0,1,3")
+    return depths
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS)
+        "--parts",
+        default=",".join(PARTS[:3]),
+        help="comma-separated: " + ", ".join(PARTS) + " (default: all but staleness)",
     )
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per testnet")
     parser.add_argument("--nodes", type=int, default=3, help="testnet nodes")
@@ -67,8 +107,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only the auto window, synchronous and overlapped (no fixed_2, no 2-sample runs)",
     )
+    parser.add_argument(
+        "--depths",
+        default="0,1",
+        help="overlap depths (train.step_overlap) of the auto runs in the slow and far parts, "
+        "comma-separated, e.g. 0,1,3",
+    )
+    parser.add_argument(
+        "--staleness-steps",
+        type=int,
+        default=100,
+        help="steps of the staleness part's single-process runs",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--out", help="write the JSON here too")
+
+
+def eager_trains_on(steps: int, depth: int, drain_every: int) -> list[int]:
+    """What each step trains on when every step opens as early as `depth` allows: the
+    coordinator's own bookkeeping (StepProtocol) on a settled swarm whose microbatches all
+    come back before each step is applied."""
+    p = StepProtocol(
+        total_steps=steps,
+        global_batch=1,
+        microbatch=1,
+        lease_timeout_s=1.0,
+        depth=depth,
+        drain_every=drain_every,
+    )
+    p.start()
+    while p.phase is not Phase.SAVING:
+        while p.open_ahead(settled=True):
+            pass
+        while (lease := p.lease("n")) is not None:
+            p.commit("n", lease.lease_id, 0.0, 1)
+        p.await_acks({"n"})
+        p.ack("n", p.step)
+    return [p.trains_on(s) for s in range(steps)]
+
+
+def staleness(settings: list[str], depths: list[int], steps: int) -> dict[str, Any]:
+    """Training loss and held-out loss after `steps` single-process steps per depth."""
+    from swarmpipe.model.reference import train_single_process
+
+    rows = []
+    for depth in depths:
+        config = load_config(
+            None,
+            [
+                *settings,
+                *depth_settings(depth),
+                f"train.steps={steps}",
+                f"train.eval_every={steps}",
+            ],
+        )
+        trains_on = eager_trains_on(steps, depth, config.checkpoint.every_steps)
+        evals: list[tuple[int, float]] = []
+        losses = train_single_process(config, evals=evals, trains_on=trains_on)
+        rows.append(
+            {
+                "depth": depth,
+                "most_steps_behind": max(s - on for s, on in enumerate(trains_on)),
+                "mean_steps_behind": sum(s - on for s, on in enumerate(trains_on)) / steps,
+                "final_train_loss": sum(losses[-10:]) / len(losses[-10:]),
+                "heldout_loss": evals[-1][1],
+            }
+        )
+    return {"steps": steps, "by_depth": rows}
 
 
 def cycle_samples_per_second(report: dict[str, Any]) -> float:
@@ -108,6 +213,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
         "overlapped_steps": sum(
             1 for s in report["steps"] if s.get("trains_on", s["step"]) < s["step"]
         ),
+        "most_steps_behind": max(
+            (s["step"] - s.get("trains_on", s["step"]) for s in report["steps"]), default=0
+        ),
         "final_loss": report["final_loss"],
         "lost": report["counters"]["lost"],
         "coordinator": coordinator,
@@ -133,9 +241,14 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if args.staleness_steps < 1:
+        raise SystemExit("--staleness-steps must be at least 1")
     if args.steps < 4:
         raise SystemExit("--steps must be at least 4 (step 0 and the last are not counted)")
+    depths = parse_depths(args.depths)
     load_config(None, args.set)  # a bad --set fails before any run
+    for depth in depths:
+        load_config(None, [*args.set, *depth_settings(depth)])  # e.g. DiLoCo with overlap
     result: dict[str, Any] = {"steps": args.steps, "nodes": args.nodes, "settings": args.set}
 
     def testnet(settings: list[str], *flags: str, what: str) -> dict[str, Any]:
@@ -163,13 +276,13 @@ def serve(args: argparse.Namespace) -> int:
     if "slow" in parts:
         limit = ("--link-mbit", f"{args.slow_mbit:g}")
         slow: dict[str, Any] = {"link_mbit": args.slow_mbit, "target": 0.90}
-        slow_runs = [
-            ("auto", ["pipeline.in_flight=auto"]),
-            ("auto_overlap", ["pipeline.in_flight=auto", OVERLAP]),
-            ("fixed_2", ["pipeline.in_flight=2"]),
-            ("auto_microbatch_2", ["pipeline.in_flight=auto", "train.microbatch=2"]),
-        ]
-        for name, settings in slow_runs[:2] if args.quick else slow_runs:
+        slow_runs = [(depth_kind(d), depth_settings(d)) for d in depths]
+        if not args.quick:
+            slow_runs += [
+                ("fixed_2", ["pipeline.in_flight=2"]),
+                ("auto_microbatch_2", ["pipeline.in_flight=auto", "train.microbatch=2"]),
+            ]
+        for name, settings in slow_runs:
             report = testnet([*LOSSLESS, *settings], *limit, what=f"slow {name}")
             run = summary(report)
             run["link_bound_samples_per_second"] = _link_bound(report, args.slow_mbit)
@@ -187,12 +300,15 @@ def serve(args: argparse.Namespace) -> int:
             "target": 0.90,
             "rounds": args.rounds,
         }
-        kinds = ["auto", "auto_overlap"] + ([] if args.quick else ["fixed_2"])
-        window = {
-            "auto": ["pipeline.in_flight=auto"],
-            "auto_overlap": ["pipeline.in_flight=auto", OVERLAP],
-            "fixed_2": ["pipeline.in_flight=2"],
-        }
+        window = {depth_kind(d): depth_settings(d) for d in depths}
+        if not args.quick:
+            window["fixed_2"] = ["pipeline.in_flight=2"]
+            deepest = max(depths)
+            if deepest:
+                # The fixed window at the deepest overlap too: what sizing it still adds.
+                fixed = ["pipeline.in_flight=2", *depth_settings(deepest)[1:]]
+                window[f"fixed_2_depth_{deepest}"] = fixed
+        kinds = list(window)
         runs = [
             (f"{where}_{kind}", window[kind], flags)
             for kind in kinds
@@ -216,14 +332,34 @@ def serve(args: argparse.Namespace) -> int:
                 f / n
                 for f, n in zip(per_round[f"far_{kind}"], per_round[f"near_{kind}"], strict=True)
             ]
-        if "fixed_2" in kinds:
-            far["far_fixed_2_over_near_auto"] = (
-                far["far_fixed_2"]["samples_per_second"] / far["near_auto"]["samples_per_second"]
-            )
-        far["far_auto_overlap_over_near_auto"] = (
-            far["far_auto_overlap"]["samples_per_second"] / far["near_auto"]["samples_per_second"]
-        )
+        if "near_auto" in far:
+            # Each run's far samples/s over the synchronous near run: what the delay and the
+            # overlap together leave of the synchronous swarm's throughput.
+            for kind in kinds:
+                if kind != "auto":
+                    far[f"far_{kind}_over_near_auto"] = (
+                        far[f"far_{kind}"]["samples_per_second"]
+                        / far["near_auto"]["samples_per_second"]
+                    )
+        far["by_depth"] = [
+            {
+                "depth": d,
+                "run": depth_kind(d),
+                "far_over_near": far[f"{depth_kind(d)}_far_over_near"],
+                "far_over_near_per_round": far[f"{depth_kind(d)}_far_over_near_per_round"],
+                "far_samples_per_second": far[f"far_{depth_kind(d)}"]["samples_per_second"],
+                "near_samples_per_second": far[f"near_{depth_kind(d)}"]["samples_per_second"],
+                "far_final_loss": far[f"far_{depth_kind(d)}"]["final_loss"],
+                "near_final_loss": far[f"near_{depth_kind(d)}"]["final_loss"],
+                "far_most_steps_behind": far[f"far_{depth_kind(d)}"]["most_steps_behind"],
+            }
+            for d in depths
+        ]
+        reached = [row["depth"] for row in far["by_depth"] if row["far_over_near"] >= 0.90]
+        far["smallest_depth_at_target"] = min(reached) if reached else None
         result["far"] = far
+    if "staleness" in parts:
+        result["staleness"] = staleness(args.set, depths, args.staleness_steps)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -131,7 +131,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             lease_timeout_s=config.coordinator.lease_timeout_s,
             eval_every=config.train.eval_every,
             eval_samples=config.train.eval_samples,
-            overlap=config.train.step_overlap,
+            depth=config.train.overlap_depth,
             # A checkpoint holds the parameters its step trains on only at a drain point,
             # so a run resumed from it takes the same steps as one never stopped.
             drain_every=config.checkpoint.every_steps,
@@ -442,8 +442,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 "parameters, so the node that takes the stage over can serve it",
                 p.step,
             )
-        if p.open_ahead(settled=self._settled()):
-            logger.info("step %d opens early, on step %d's parameters", p.step + 1, p.step)
+        settled = self._settled()
+        while p.open_ahead(settled=settled):
+            logger.info("step %d opens early, on step %d's parameters", p.ahead, p.step)
         if (p.phase, p.step, p.ahead) != (*before, ahead_before):
             logger.info("step %d: %s", p.step, p.phase.value)
             await self._publish_step()

@@ -58,7 +58,7 @@ CREATE TABLE protocol (
     duplicates INTEGER NOT NULL, lost INTEGER NOT NULL,
     awaiting TEXT NOT NULL, joins INTEGER NOT NULL, departures INTEGER NOT NULL,
     plan_version INTEGER NOT NULL, plan BLOB, final_states TEXT NOT NULL,
-    ahead INTEGER NOT NULL
+    ahead INTEGER NOT NULL  -- steps open ahead of the current one (0 or 1 at depth 1)
 );
 CREATE TABLE pending (
     pos INTEGER PRIMARY KEY, sample_start INTEGER NOT NULL, sample_count INTEGER NOT NULL,
@@ -306,7 +306,7 @@ class StateDB:
                     membership.plan_version,
                     extras.plan,
                     json.dumps({str(k): v for k, v in extras.final_states.items()}),
-                    int(p.ahead is not None),
+                    p.steps_ahead,
                 ),
             )
             conn.execute("DELETE FROM pending")
@@ -318,8 +318,8 @@ class StateDB:
                 ],
             )
             # The leases of the step before too (its last commit may have ended it), and of
-            # the step open ahead (train.step_overlap).
-            for step in {max(p.step - 1, 0), p.step, p.step + 1}:
+            # the steps open ahead (train.step_overlap).
+            for step in range(max(p.step - 1, 0), p.step + p.steps_ahead + 1):
                 conn.executemany(
                     "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [
@@ -513,7 +513,7 @@ class StateDB:
                 )
             ],
             leases=leases,
-            ahead=bool(ahead),
+            ahead=int(ahead),
         )
         membership.plan_version = plan_version
         for r in conn.execute("SELECT * FROM members ORDER BY node_id"):

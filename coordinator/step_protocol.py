@@ -15,19 +15,20 @@ calls `finish` once it holds a checked set; see coordinator/service.py), so no n
 with the last steps' training. Evaluation samples are not training samples: they are left
 out of the counters.
 
-Overlap (train.step_overlap): step s+1 may open while step s still trains or is being
-applied, once step s-1 is applied everywhere, so at most two steps are open: the current
-step (the oldest not applied everywhere) and the one *ahead* of it. Each step records the
-parameters it trains on (`trains_on`, counted in optimizer steps applied): a step opened
-ahead trains on the parameters after step s-1 (trains_on = s), so its every microbatch sees
-one version and its gradient is applied one step late, to the newest parameters. A step
-that opens as the current one (no step ahead of the one before) trains on the newest
-parameters (trains_on = its own number), as without overlap: a *drain point*. Drain points
-are step 0, every `drain_every`-th step (checkpoints), the first step opened after a restart,
-and every step opened while the service says the swarm is not settled (a node joining,
-moving or re-syncing): a node can only enter the plan at a step that trains on the
-parameters it downloaded. Leases of the current step go first; APPLY is for the current
-step only, so steps are applied in order.
+Overlap (train.step_overlap, a depth k >= 1; `true` is 1): step s+j may open while the
+steps before it still train or are being applied, once step s+j-k-1 is applied everywhere,
+so at most k+1 steps are open: the current step s (the oldest not applied everywhere) and
+up to k *ahead* of it. Each step records the parameters it trains on (`trains_on`, counted
+in optimizer steps applied): the newest applied everywhere when it opens, so a step opened
+ahead of the current step s trains on the parameters after step s-1 (trains_on = s): its
+every microbatch sees one version and its gradient is applied up to k steps late, to the
+newest parameters. A step that opens as the current one (no step open before it) trains on
+the newest parameters (trains_on = its own number), as without overlap: a *drain point*.
+Drain points are step 0, every `drain_every`-th step (checkpoints), the first step opened
+after a restart, and every step opened while the service says the swarm is not settled (a
+node joining, moving or re-syncing): a node can only enter the plan at a step that trains
+on the parameters it downloaded. Leases go in step order, the current step's first; APPLY
+is for the current step only, so steps are applied in order.
 
 Guarantee: every leased sample is committed or leased again. A lease returns
 to the queue (and is counted as replayed) when its head releases it, when the
@@ -94,8 +95,8 @@ class StepStats:
     """Evaluation leases this step carries; 0 when it does not evaluate."""
     eval_finished_at: float | None = None
     trains_on: int = -1
-    """The parameters the step trains on, in optimizer steps applied: `step`, or `step - 1`
-    for a step opened ahead (train.step_overlap)."""
+    """The parameters the step trains on, in optimizer steps applied: `step`, or the
+    current step's number when it opened ahead of it (train.step_overlap)."""
     eval_left: int = 0
     """Evaluation leases of the step not committed yet."""
 
@@ -133,8 +134,9 @@ class StepProtocol:
     lease_timeout_s: float
     eval_every: int = 0
     eval_samples: int = 0
-    overlap: bool = False
-    """train.step_overlap: open the next step early (see the module docstring)."""
+    depth: int = 0
+    """train.step_overlap as a depth: how many steps may open ahead of the current one (see
+    the module docstring); 0: none, every step is a drain point."""
     drain_every: int = 0
     """Every this many steps is a drain point (checkpoint.every_steps); 0: none."""
     clock: Callable[[], float] = time.monotonic
@@ -155,8 +157,8 @@ class StepProtocol:
     _opened: bool = False
     _acks_set: bool = True
     """False from the moment a step enters APPLY until `await_acks` names its nodes."""
-    _ahead: bool = False
-    """Step + 1 is open too (overlap)."""
+    _ahead: int = 0
+    """How many steps are open ahead of the current one: step + 1 ... step + _ahead."""
     _drain_next: bool = False
     """No step opens ahead until one opens as a drain point (set after a restart)."""
     run_started_at: float | None = None
@@ -189,41 +191,58 @@ class StepProtocol:
         if self.run_started_at is None:
             self.run_started_at = now
         stats = StepStats(step=step, started_at=now, trains_on=trains_on)
+        # A step opened again (redo_as_drain closed it): its samples leased before count
+        # as replayed when leased again.
+        leased_before = {(x.sample_start, x.eval) for x in self._retired.values() if x.step == step}
         if self.evaluates(step):
             # Evaluation first: it is short, and its result is what a watcher waits for.
             for offset in range(0, self.eval_samples, self.microbatch):
                 count = min(self.microbatch, self.eval_samples - offset)
-                self._pending.append(SampleRange(offset, count, eval=True, step=step))
+                replay = (offset, True) in leased_before
+                self._pending.append(SampleRange(offset, count, replay, eval=True, step=step))
                 stats.eval_leases += 1
             stats.eval_left = stats.eval_leases
         if step < self.total_steps:
             base = step * self.global_batch
             for offset in range(0, self.global_batch, self.microbatch):
                 count = min(self.microbatch, self.global_batch - offset)
-                self._pending.append(SampleRange(base + offset, count, step=step))
+                replay = (base + offset, False) in leased_before
+                self._pending.append(SampleRange(base + offset, count, replay, step=step))
         return stats
 
+    @property
+    def overlap(self) -> bool:
+        """Whether steps may open ahead (train.step_overlap)."""
+        return self.depth > 0
+
     def open_ahead(self, *, settled: bool) -> bool:
-        """Open step + 1 now, on the parameters the current step's predecessor left, if
-        overlap allows it: the swarm is `settled` (the service's word: every stage served,
-        no node on its way in), step + 1 is a training step and not a drain point. Returns
-        whether it opened. Sound at any moment of the current step: step - 1 is applied
-        everywhere, since the current step opened only then."""
-        if not (self.overlap and settled and self._opened) or self._ahead or self._drain_next:
+        """Open the step after the newest open one now, on the parameters the current step's
+        predecessor left, if overlap allows it: fewer than `depth` steps are open ahead, the
+        swarm is `settled` (the service's word: every stage served, no node on its way in),
+        and the step is a training step and not a drain point. Returns whether it opened;
+        call again to open the next. Sound at any moment of the current step s: step s-1
+        is applied everywhere, since s opened only then, and the step opened is at most
+        s+depth."""
+        if not (self.overlap and settled and self._opened) or self._drain_next:
             return False
-        if self.phase not in (Phase.TRAINING, Phase.APPLY):
+        if self._ahead >= self.depth or self.phase not in (Phase.TRAINING, Phase.APPLY):
             return False
-        nxt = self.step + 1
+        nxt = self.step + self._ahead + 1
         if nxt >= self.total_steps or (self.drain_every and nxt % self.drain_every == 0):
             return False
         self.history.append(self._ranges_of(nxt, trains_on=self.step))
-        self._ahead = True
+        self._ahead += 1
         return True
 
     @property
     def ahead(self) -> int | None:
-        """The step open ahead of the current one (overlap), or None."""
-        return self.step + 1 if self._ahead else None
+        """The newest step open ahead of the current one (overlap), or None."""
+        return self.step + self._ahead if self._ahead else None
+
+    @property
+    def steps_ahead(self) -> int:
+        """How many steps are open ahead of the current one (0 to `depth`)."""
+        return self._ahead
 
     def trains_on(self, step: int) -> int:
         """The parameters an open (or past) `step` trains on, in optimizer steps applied."""
@@ -237,24 +256,19 @@ class StepProtocol:
         return None
 
     def redo_as_drain(self) -> bool:
-        """Start the current step again on the newest parameters (and close the step ahead),
-        when it trains on older ones: a stage that lost its last replica can only be served
-        again by a node that downloads the newest state. Every lease of those steps, committed
-        ones too, is retired (a late commit is refused) and their samples leased again, as
-        replays; the nodes' sums of the old version are never applied (APPLY names the version).
-        Only while the current step trains (its APPLY cannot be taken back). Returns whether it
-        did anything."""
+        """Start the current step again on the newest parameters (and close every step open
+        ahead), when it trains on older ones or steps are open ahead: a stage that lost its
+        last replica can only be served again by a node that downloads the newest state and
+        enters at a drain point. Every lease of those steps, committed ones too, is retired (a
+        late commit is refused) and their samples leased again, as replays, when their step
+        opens again; the nodes' sums of the old version are never applied (APPLY names the
+        version). Only while the current step trains (its APPLY cannot be taken back).
+        Returns whether it did anything."""
         if self.phase not in (Phase.TRAINING, Phase.WAITING) or not self._opened:
             return False
         if self.trains_on(self.step) == self.step and not self._ahead:
             return False
-        steps = {self.step, self.step + 1}
-        leased_before = {
-            (x.sample_start, x.eval)
-            for book in (self._outstanding, self._committed, self._retired)
-            for x in book.values()
-            if x.step == self.step
-        }
+        steps = set(range(self.step, self.step + self._ahead + 1))
         for book in (self._outstanding, self._committed):
             for lease in [x for x in book.values() if x.step in steps]:
                 del book[lease.lease_id]
@@ -263,11 +277,8 @@ class StepProtocol:
                     self.counters.committed -= lease.sample_count
         self._pending = deque(r for r in self._pending if r.step not in steps)
         self.history = [s for s in self.history if s.step not in steps]
-        self._ahead = False
+        self._ahead = 0
         self._open_step(self.step)
-        for r in self._pending:
-            # Leased before: counted as replayed when leased again.
-            r.replay = (r.start, r.eval) in leased_before
         return True
 
     def evaluates(self, step: int) -> bool:
@@ -285,8 +296,8 @@ class StepProtocol:
 
     @property
     def current(self) -> StepStats:
-        """The current step's stats (the step ahead, if open, is the last in the history)."""
-        return self.history[-2] if self._ahead else self.history[-1]
+        """The current step's stats (steps open ahead are the last in the history)."""
+        return self.history[-1 - self._ahead]
 
     # -- leases ---------------------------------------------------------
 
@@ -380,13 +391,11 @@ class StepProtocol:
         again = SampleRange(
             lease.sample_start, lease.sample_count, replay=True, eval=lease.eval, step=lease.step
         )
-        # Replays go to the front so a step's stragglers finish first; the step ahead's
-        # stay behind the current step's ranges.
-        if lease.step == self.step:
-            self._pending.appendleft(again)
-        else:
-            at = sum(1 for r in self._pending if r.step == self.step)
-            self._pending.insert(at, again)
+        # Replays go to the front of their step's ranges so a step's stragglers finish
+        # first; a step ahead's stay behind the ranges of the steps before it (the queue is
+        # in step order).
+        at = sum(1 for r in self._pending if r.step < lease.step)
+        self._pending.insert(at, again)
 
     def release(self, node_id: str, lease_id: int) -> bool:
         """The head gives a lease back (it could not finish it)."""
@@ -462,15 +471,14 @@ class StepProtocol:
     @property
     def target_step(self) -> int:
         """The step whose state a node must hold to start serving: the current step, or the
-        next one while the current one is being applied; with overlap, the first of those
-        that does not train on older parameters than that state (a step open ahead, or a
-        current step opened ahead, does)."""
-        first = self.step + 1 if self.phase is Phase.APPLY else self.step
-        if first == self.step and self.trains_on(self.step) != self.step:
-            first += 1
-        if first == self.step + 1 and self._ahead:
-            first += 1
-        return first
+        next one while the current one is being applied; with overlap, the first step that
+        does not train on older parameters than that state: the current one when it is a
+        drain point still training (the steps open ahead of it train on its parameters
+        too), else the first step not open yet (a node on its way in keeps the swarm
+        unsettled, so that step opens as a drain point)."""
+        if self.phase is not Phase.APPLY and self.trains_on(self.step) == self.step:
+            return self.step
+        return self.step + self._ahead + 1
 
     def hold(self, node_id: str, seconds: float) -> None:
         """Keep the next step from opening for up to `seconds` while `node_id` fetches its
@@ -504,7 +512,7 @@ class StepProtocol:
         self._apply_since = None
         if self._ahead:
             self.step += 1
-            self._ahead = False
+            self._ahead -= 1
             self.phase = Phase.TRAINING
             if self._all_committed(self.step):
                 self._current_done()
@@ -534,7 +542,7 @@ class StepProtocol:
         return self.current.eval_left if self.history else 0
 
     def pending_ranges(self) -> list[SampleRange]:
-        """The current step's samples not leased yet, in the order they will be."""
+        """The open steps' samples not leased yet, in the order they will be."""
         return list(self._pending)
 
     def leases_of(self, step: int) -> list[tuple[str, Lease]]:
@@ -555,12 +563,12 @@ class StepProtocol:
         awaiting: set[str],
         pending: list[SampleRange],
         leases: list[tuple[str, Lease]],
-        ahead: bool = False,
+        ahead: int = 0,
     ) -> None:
         """Take up the state a coordinator that died had recorded (the history first). Leases
         that were open stay open for a full lease timeout from now: the heads that hold them
-        still work on them and commit once they reach this coordinator. A step open ahead
-        stays open; the next step to open is a drain point."""
+        still work on them and commit once they reach this coordinator. Steps open ahead
+        (`ahead` of them) stay open; the next step to open is a drain point."""
         self.step, self.phase, self._opened = step, phase, opened
         self._next_lease_id, self._ahead = next_lease_id, ahead
         self._drain_next = True

@@ -45,9 +45,14 @@ def busy_seconds(spans: Iterable[tuple[float, float]]) -> float:
 
 
 def _overlapped(steps: list[coordinator_pb2.StepRecord]) -> str:
-    """How many steps trained one step behind (train.step_overlap), or nothing if none."""
+    """How many steps trained on older parameters (train.step_overlap) and how many steps
+    behind at most, or nothing if none."""
     behind = sum(1 for s in steps if s.trains_on < s.step)
-    return f"; {behind} of {len(steps)} trained a step behind (step overlap)" if behind else ""
+    if not behind:
+        return ""
+    most = max(s.step - s.trains_on for s in steps)
+    how = "a step" if most == 1 else f"up to {most} steps"
+    return f"; {behind} of {len(steps)} trained {how} behind (step overlap)"
 
 
 def summary_lines(status: coordinator_pb2.StatusReply) -> list[str]:

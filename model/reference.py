@@ -41,10 +41,11 @@ def train_single_process(
     eval_every-th step and after the last.
 
     `trains_on[s]` (train.step_overlap, as a run's report.json records it) names the
-    parameters step s computes its gradient on, in optimizer steps applied: s, or s - 1 for a
-    step the pipeline opened early. The gradient is applied to the newest parameters
-    (W(s+1) = AdamW(W(s), g(s) at W(trains_on[s]))), and an evaluation at step s measures
-    W(trains_on[s]). None: every step on its own parameters, as without overlap.
+    parameters step s computes its gradient on, in optimizer steps applied: s, or fewer (up
+    to the overlap depth) for a step the pipeline opened early. The gradient is applied to
+    the newest parameters (W(s+1) = AdamW(W(s), g(s) at W(trains_on[s]))), and an
+    evaluation at step s measures W(trains_on[s]). None: every step on its own parameters,
+    as without overlap.
     """
     if model is None:
         model = build_full_model(cfg)
@@ -56,15 +57,18 @@ def train_single_process(
     optimizer = build_optimizer(model, cfg)
     losses = []
     total = t.steps if steps is None else steps
-    # The parameters after each number of optimizer steps that a later step trains on.
+    # The parameters after each number of optimizer steps that a later step trains on,
+    # kept until the last step that trains on them.
+    on_of = list(range(total)) if trains_on is None else list(trains_on[:total])
+    last_use = {on: step for step, on in enumerate(on_of) if on < step}
     versions: dict[int, nn.Module] = {}
     for step in range(total):
-        on = step if trains_on is None else trains_on[step]
-        if on not in (step, step - 1):
+        on = on_of[step]
+        if not 0 <= on <= step:
             raise ValueError(f"step {step} cannot train on the parameters of step {on}")
-        if trains_on is not None and step + 1 < total and trains_on[step + 1] == step:
-            versions[step] = copy.deepcopy(model)  # step + 1 will train on these
-        compute = model if on == step else versions.pop(on)
+        if step in last_use:
+            versions[step] = copy.deepcopy(model)  # a later step will train on these
+        compute = model if on == step else versions[on]
         if evals is not None and t.eval_every and step % t.eval_every == 0:
             evals.append((step, evaluate(compute, corpus, t.eval_samples)))
         base = step * t.global_batch
@@ -80,9 +84,12 @@ def train_single_process(
             loss_sum += float(loss.detach())
             tokens += y.numel()
         if compute is not model:
-            # Taken on the older parameters, applied to the newest.
+            # Taken on the older parameters, applied to the newest; the copy keeps no
+            # gradient, since another step may train on it too (a depth above 1).
             for p, q in zip(model.parameters(), compute.parameters(), strict=True):
-                p.grad = q.grad
+                p.grad, q.grad = q.grad, None
+            if last_use[on] == step:
+                del versions[on]
         # The same scaling, in the same order, as StageRuntime.apply_step.
         scale = 1.0 / tokens
         for p in model.parameters():

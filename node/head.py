@@ -27,7 +27,7 @@ from swarmpipe.errors import CoordinatorUnavailable, PeerError
 from swarmpipe.node import fault_points
 from swarmpipe.node.compute import BACKWARD, FORWARD
 from swarmpipe.node.context import StageContext
-from swarmpipe.node.in_flight import MAX_WINDOW, InFlightSizer
+from swarmpipe.node.in_flight import InFlightSizer, window_cap
 from swarmpipe.node.router import HopError, HopResult
 from swarmpipe.node.token_ids import encode_token_ids, first_tokens_of
 from swarmpipe.protos import coordinator_pb2, stage_pb2
@@ -62,8 +62,13 @@ class Head:
         if isinstance(setting, int):
             self._workers = setting
         else:
-            self.sizer = InFlightSizer()
-            self._workers = MAX_WINDOW
+            train = ctx.config.train
+            cap = window_cap(
+                microbatches_per_step=-(-train.global_batch // train.microbatch),
+                overlap_depth=train.overlap_depth,
+            )
+            self.sizer = InFlightSizer(maximum=cap)
+            self._workers = cap
         self._run_over = False
         self._window_changed = asyncio.Event()
 

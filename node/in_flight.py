@@ -21,7 +21,11 @@ each needs C / (H T). One more covers the jitter of a shared machine.
 
 The window is 2 (the old fixed default) until C and T are known, and at most
 MAX_WINDOW: every microbatch in flight holds activations on every stage, and past the
-bandwidth-delay product more only queues. Pure arithmetic: no I/O, no clock.
+bandwidth-delay product more only queues. With steps open ahead (train.step_overlap = k)
+the cap is the microbatches of the k+1 open steps, up to MAX_DEEP_WINDOW (`window_cap`):
+at 4 microbatches a step, 16 holds every step past the third out of the pipeline, and on
+50 ms links depths 4 to 8 all stopped at 160 to 200 samples/s under it (docs/latency.md).
+Pure arithmetic: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from collections.abc import Iterable, Sequence
 
 START_WINDOW = 2
 MAX_WINDOW = 16
+MAX_DEEP_WINDOW = 32
+"""The cap under train.step_overlap's deeper settings; the peer limits' default streams
+(transport/peer_limits.py: 136) still hold four heads at it."""
 MIN_WINDOW = 1
 RECENT = 32
 """Round trips kept; the least of them is the unloaded estimate."""
@@ -39,6 +46,13 @@ RECENT = 32
 UNMEASURED_WEIGHT = 1.0
 """The plan's weight for a stage none of whose replicas has measured itself yet
 (coordinator/membership.py): not a rate, so left out of the bottleneck."""
+
+
+def window_cap(*, microbatches_per_step: int, overlap_depth: int) -> int:
+    """The most microbatches an auto window keeps in flight: MAX_WINDOW, or every
+    microbatch of the steps open at once (overlap_depth + 1 of them) up to MAX_DEEP_WINDOW."""
+    open_steps = microbatches_per_step * (overlap_depth + 1)
+    return max(MAX_WINDOW, min(MAX_DEEP_WINDOW, open_steps))
 
 
 class InFlightSizer:

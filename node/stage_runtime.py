@@ -15,17 +15,18 @@ timing (plaintext or TLS, loaded machine or not). Exact unless one parameter's g
 in a step span more than about 2**24 in magnitude, and even then the float64 rounding
 changes the float32 result with a chance of about 1e-9. It costs 8 bytes a parameter.
 
-Overlapping steps (train.step_overlap): two steps may be open at once, on two parameter
-versions (a version is named by the optimizer steps applied to it; the coordinator says which
-one each step trains on, and every hop carries it). The optimizer's parameters (the module's)
-are then never used for compute: each version a step trains on is a frozen copy of them, made
-the first time a microbatch needs it or, at the latest, just before the optimizer step that
-would overwrite it, and forward and backward run on it through `torch.func.functional_call`.
-So an optimizer step never changes tensors an open step's graph holds. Gradient sums are
-kept per (step, version): the reduce of step s takes step s's alone while step s+1 keeps
-accumulating. After step s is applied only versions s and later can still be trained on;
-older copies and sums are freed. Without overlap the module's parameters are used directly,
-as before.
+Overlapping steps (train.step_overlap, a depth k): up to k+1 steps may be open at once, on
+up to k+1 parameter versions (a version is named by the optimizer steps applied to it; the
+coordinator says which one each step trains on, and every hop carries it). The optimizer's
+parameters (the module's) are then never used for compute: each version a step trains on
+is a frozen copy of them, made the first time a microbatch needs it or, at the latest, just
+before the optimizer step that would overwrite it, and forward and backward run on it
+through `torch.func.functional_call`. So an optimizer step never changes tensors an open
+step's graph holds. Gradient sums are kept per (step, version): the reduce of step s takes
+step s's alone while steps s+1 ... s+k keep accumulating. A step s+j opened while step
+s+j-k at the earliest was the current one, on its parameters, so after step s is applied
+only versions s+1-k and later can still be trained on; older copies and sums are freed.
+Without overlap the module's parameters are used directly, as before.
 
 A microbatch contributes to this node's gradients at most once per step: when
 a sender resends one after a failure further up (the downstream part already
@@ -119,7 +120,9 @@ class StageRuntime:
         self._saved: dict[str, _Saved] = {}
         self._sums: dict[tuple[int, int], _StepSum] = {}
         """(step, version it trains on) -> its gradient sum so far."""
-        self.overlap = config.train.step_overlap
+        self.depth = config.train.overlap_depth
+        """train.step_overlap: how many steps may be open ahead of the current one."""
+        self.overlap = self.depth > 0
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
         """train.step_overlap: frozen parameter versions open steps train on, by version."""
         p = config.pipeline
@@ -211,12 +214,14 @@ class StageRuntime:
     def check_step(self, step: int, trains_on: int) -> None:
         """Refuse (PeerError) a microbatch of `step` on version `trains_on` that this node
         cannot compute: without overlap only the current step, on its own parameters; with
-        it the current step or the next, on a version this node holds."""
+        it the current step or one of the `depth` after it, on a version this node holds
+        that is at most `depth` steps older than the step."""
         if not self.overlap:
             if step != self.step or trains_on != step:
                 raise PeerError(f"microbatch is for step {step}; this node is at step {self.step}")
             return
-        if not self.step <= step <= self.step + 1 or trains_on not in (step - 1, step):
+        depth = self.depth
+        if not self.step <= step <= self.step + depth or not step - depth <= trains_on <= step:
             raise PeerError(
                 f"microbatch is for step {step} on the parameters of step {trains_on}; this "
                 f"node is at step {self.step}"
@@ -458,7 +463,7 @@ class StageRuntime:
                 for p, total in zip(self.module.parameters(), own.summed, strict=True):
                     p.grad = total.to(p.dtype)
         if self.overlap:
-            # The step ahead may train on these parameters: keep them before they change.
+            # Steps open ahead may train on these parameters: keep them before they change.
             self._version(step)
         if tokens:
             scale = 1.0 / tokens
@@ -470,10 +475,12 @@ class StageRuntime:
         if self.outer is not None:
             self.outer.round_samples += samples
         # What later steps still train on stays: graphs and sums of later steps, and the
-        # versions they may use (`step` and newer).
+        # versions they may use (`step + 1 - depth` and newer: a step open now opened while
+        # at most `depth` steps before it were, on the current one's parameters).
         self._sums = {k: v for k, v in self._sums.items() if k[0] > step}
         self._saved = {k: v for k, v in self._saved.items() if v.step > step}
-        self._versions = {v: t for v, t in self._versions.items() if v >= step}
+        oldest = step + 1 - self.depth
+        self._versions = {v: t for v, t in self._versions.items() if v >= oldest}
         if advance:
             self.step = step + 1
         return samples

@@ -246,11 +246,12 @@ class StepState(_message.Message):
     """committed samples of the step (APPLY)"""
     trains_on: _builtins.int
     """The parameters `step` trains on, as the optimizer steps applied to them: `step`, or
-    `step` - 1 for a step opened early (train.step_overlap).
+    fewer for a step opened early (train.step_overlap).
     """
     ahead: _builtins.int
-    """train.step_overlap: step + 1 is open too, training on the parameters after `step`
-    optimizer steps (0: no step is open early).
+    """train.step_overlap: steps step + 1 ... ahead are open too, those opened while `step`
+    was current training on the parameters after `step` optimizer steps (0: no step is
+    open early).
     """
     @_builtins.property
     def save_from(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:

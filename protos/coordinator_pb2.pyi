@@ -222,7 +222,8 @@ class LeaseReply(_message.Message):
     """
     trains_on: _builtins.int
     """The parameters the lease's step trains on, as the number of optimizer steps applied
-    to them (train.step_overlap: `step` - 1 for an overlapped step; absent: `step`).
+    to them (train.step_overlap: up to its depth fewer than `step` for an overlapped step;
+    absent: `step`).
     """
     def __init__(
         self,
@@ -457,7 +458,7 @@ class StepRecord(_message.Message):
     """from the opening of step 0 to the end of this step"""
     trains_on: _builtins.int
     """The parameters the step trained on: after `trains_on` optimizer steps (`step`, or
-    `step` - 1 for a step opened early under train.step_overlap).
+    fewer, up to the depth, for a step opened early under train.step_overlap).
     """
     def __init__(
         self,

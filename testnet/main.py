@@ -759,7 +759,7 @@ def build_report(
             "samples_per_second": s.samples_per_second,
             "elapsed_s": s.elapsed_s,
             # The parameters the step trained on, in optimizer steps applied: its own number,
-            # or one less for a step opened early (train.step_overlap).
+            # or fewer for a step opened early (train.step_overlap).
             "trains_on": s.trains_on,
         }
         for s in status.steps

@@ -72,6 +72,9 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
             'train.step_overlap needs pipeline.sync = "every_step"',
         ),
         (["train.step_overlap=maybe"], "train.step_overlap must be bool"),
+        (["train.step_overlap=9"], "train.step_overlap=9: give true, false or a depth from 0 to 8"),
+        (["train.step_overlap=-1"], "train.step_overlap=-1: give true, false or a depth"),
+        (["train.step_overlap=2", "pipeline.sync=diloco"], "needs pipeline.sync"),
         (["pipeline.diloco_outer_momentum=1.0"], "must be in [0, 1)"),
         (['pipeline.auto_gradient_codecs=["int8", "zip"]'], "('zip' unknown)"),
         (['pipeline.auto_activation_codecs=["int8", "int8"]'], "must list distinct codecs"),
@@ -143,3 +146,15 @@ def test_link_latency_is_checked() -> None:
         ConfigError, match=re.escape("pipeline.link_latency_ms=-1.0 is out of range")
     ):
         load_config(None, ["pipeline.link_latency_ms=-1"])
+
+
+def test_step_overlap_is_a_switch_or_a_depth() -> None:
+    # true and false keep their meaning (depth 1 and 0); a number is the depth itself.
+    for value, depth in [("false", 0), ("true", 1), ("0", 0), ("1", 1), ("3", 3), ("8", 8)]:
+        config = load_config(None, [f"train.step_overlap={value}"])
+        assert config.train.overlap_depth == depth
+        assert RunConfig.from_json(config.to_json()) == config
+    assert load_config(None, []).train.overlap_depth == 0
+    for value in ("1.5", '"2"'):
+        with pytest.raises(ConfigError, match="must be bool or int"):
+            load_config(None, [f"train.step_overlap={value}"])

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from swarmpipe.bench.latency import _link_bound, cycle_samples_per_second
+from swarmpipe.bench.latency import (
+    _link_bound,
+    cycle_samples_per_second,
+    depth_kind,
+    depth_settings,
+    eager_trains_on,
+    parse_depths,
+)
 
 
 def test_samples_per_second_counts_the_boundaries_and_skips_step_0() -> None:
@@ -35,3 +42,23 @@ def test_the_link_bound_is_the_limit_over_the_busiest_directions_bytes_per_sampl
     }
     # 10 Mbit/s = 1.25 MB/s over 30 kB per sample.
     assert _link_bound(report, 10.0) == pytest.approx(1.25e6 / 30_000)
+
+
+def test_depths_name_their_runs_and_bad_ones_are_one_line() -> None:
+    assert parse_depths("0,1,3") == [0, 1, 3]
+    # Depths 0 and 1 keep the run names earlier figures used.
+    assert [depth_kind(d) for d in (0, 1, 3)] == ["auto", "auto_overlap", "auto_depth_3"]
+    assert depth_settings(0) == ["pipeline.in_flight=auto"]
+    assert depth_settings(3) == ["pipeline.in_flight=auto", "train.step_overlap=3"]
+    for bad in ("0,x", "1,1", "9", ""):
+        with pytest.raises(SystemExit, match="--depths"):
+            parse_depths(bad)
+
+
+def test_the_staleness_part_replays_the_coordinators_opening_rule() -> None:
+    # Depth k: steps 1..k open with step 0; then each trains k steps behind, until a
+    # checkpoint step (10) drains and the steps after it train on its parameters.
+    assert eager_trains_on(12, 0, 10) == list(range(12))
+    assert eager_trains_on(12, 1, 10) == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 10]
+    assert eager_trains_on(12, 3, 10) == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 10, 10]
+    assert eager_trains_on(6, 3, 0) == [0, 0, 0, 0, 1, 2]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+
+import pytest
 
 from swarmpipe.config import load_config
 from swarmpipe.coordinator.membership import Membership
@@ -12,7 +15,7 @@ from swarmpipe.protos import control_pb2, coordinator_pb2
 from tests.coordinator.test_apply_bound import NODES, Swarm
 
 
-def make(steps: int = 6, drain_every: int = 0, eval_every: int = 0) -> StepProtocol:
+def make(steps: int = 6, drain_every: int = 0, eval_every: int = 0, depth: int = 1) -> StepProtocol:
     p = StepProtocol(
         total_steps=steps,
         global_batch=8,
@@ -20,7 +23,7 @@ def make(steps: int = 6, drain_every: int = 0, eval_every: int = 0) -> StepProto
         lease_timeout_s=30.0,
         eval_every=eval_every,
         eval_samples=4 if eval_every else 0,
-        overlap=True,
+        depth=depth,
         drain_every=drain_every,
         clock=lambda: 0.0,
     )
@@ -311,3 +314,194 @@ async def test_a_joiner_that_was_away_is_not_promoted_into_a_step_opened_early(
     member = service.membership.members["n4"]
     assert p.step == 2 and not member.serving and member.ready_step == -1
     assert (await swarm.ready("n4", 2)).status == coordinator_pb2.ReadyReply.STATUS_STALE
+
+
+# -- deeper overlap (train.step_overlap = k > 1) ---------------------------------
+
+
+def open_all(p: StepProtocol) -> int:
+    opened = 0
+    while p.open_ahead(settled=True):
+        opened += 1
+    return opened
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_at_depth_k_k_steps_open_ahead_on_the_newest_applied_parameters(depth: int) -> None:
+    p = make(steps=12, depth=depth)
+    assert open_all(p) == depth and p.steps_ahead == depth and p.ahead == depth
+    assert [p.trains_on(s) for s in range(depth + 1)] == [0] * (depth + 1)
+    leases = lease_all(p)
+    # Step order: the current step's leases first, then each step ahead's in turn.
+    assert [x.step for x in leases] == sorted(x.step for x in leases)
+    # The steps ahead come back first: nothing is applied out of order.
+    commit(p, [x for x in leases if x.step > 0])
+    assert (p.phase, p.step) == (Phase.TRAINING, 0)
+    commit(p, [x for x in leases if x.step == 0])
+    applied = []
+    while p.step < 12 and p.phase is Phase.APPLY:
+        applied.append(p.step)
+        apply_everywhere(p)
+        # Each apply lets exactly one more step open, on the parameters applied everywhere.
+        opened = open_all(p)
+        assert p.steps_ahead <= depth
+        if opened:
+            assert p.trains_on(p.ahead or -1) == p.step
+        commit(p, lease_all(p))
+        if p.phase is Phase.SAVING:
+            break
+    assert applied == list(range(12))
+    # In the steady state every step trains on the parameters `depth` steps old.
+    assert [p.trains_on(s) for s in range(12)] == [max(0, s - depth) for s in range(12)]
+    assert p.counters.committed == 12 * 8 and p.counters.replayed == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_at_depth_3_random_commit_orders_keep_the_rule(seed: int) -> None:
+    # Whatever order commits come back in: at most depth + 1 steps open, each trains on
+    # parameters at most `depth` steps old and opened once the step `depth + 1` before it was
+    # applied everywhere, and steps are applied one at a time, in order.
+    rng = random.Random(seed)
+    depth, steps = 3, 10
+    p = make(steps=steps, depth=depth)
+    applied: list[int] = []
+    opened_at: dict[int, int] = {0: 0}  # step -> steps applied everywhere when it opened
+    out: list[Lease] = []
+    while p.phase not in (Phase.SAVING, Phase.DONE):
+        while p.open_ahead(settled=rng.random() < 0.8):
+            opened_at[p.ahead or -1] = len(applied)
+        assert p.steps_ahead <= depth
+        out += lease_all(p)
+        if p.phase is Phase.APPLY and (not out or rng.random() < 0.5):
+            applied.append(p.step)
+            apply_everywhere(p)
+            opened_at.setdefault(p.step, len(applied))
+            continue
+        if out:
+            x = out.pop(rng.randrange(len(out)))
+            assert p.commit("h", x.lease_id, 1.0, 4) is None
+    assert applied == list(range(steps))
+    for s in range(steps):
+        assert s - depth <= p.trains_on(s) <= s
+        assert p.trains_on(s) == opened_at[s]  # the newest parameters applied everywhere
+        assert opened_at[s] >= s - depth  # step s - depth - 1 was applied
+    assert p.counters.committed == steps * 8
+
+
+def test_at_depth_3_a_checkpoint_step_and_the_last_step_bound_the_steps_ahead() -> None:
+    p = make(steps=6, drain_every=4, depth=3)
+    assert open_all(p) == 3  # steps 1, 2, 3
+    commit(p, lease_all(p))
+    for _ in range(3):
+        apply_everywhere(p)
+        assert open_all(p) == 0  # step 4 is a checkpoint step: it opens only as the current
+    apply_everywhere(p)
+    assert (p.step, p.trains_on(4), p.steps_ahead) == (4, 4, 0)
+    assert open_all(p) == 1  # only step 5 is left
+
+
+def test_at_depth_3_redo_as_drain_closes_every_step_ahead_and_replays_them() -> None:
+    p = make(steps=8, depth=3)
+    open_all(p)
+    leases = lease_all(p)
+    commit(p, [x for x in leases if x.step == 0])
+    apply_everywhere(p)  # step 1 current (on version 0); steps 2, 3 ahead; 4 opens on 1
+    assert open_all(p) == 1 and (p.step, p.ahead, p.trains_on(4)) == (1, 4, 1)
+    commit(p, [x for x in leases if x.step == 2][:1])  # one of step 2's is committed
+    out = [x for x in leases if x.step in (1, 3)]  # step 1's and 3's still out; 4's queued
+    assert p.redo_as_drain()
+    assert (p.step, p.trains_on(1), p.ahead, p.steps_ahead) == (1, 1, None, 0)
+    assert p.counters.committed == 8  # step 0's only
+    for x in out:  # late commits of the old versions are refused
+        assert p.commit("h", x.lease_id, 1.0, 4) is not None
+    assert {r.step for r in p.pending_ranges()} == {1}
+    # The steps closed open again, on version 1; what was leased before is a replay.
+    assert open_all(p) == 3 and [p.trains_on(s) for s in (2, 3, 4)] == [1, 1, 1]
+    again = lease_all(p)
+    assert [(x.step, x.replay) for x in again] == [
+        (1, True),
+        (1, True),
+        (2, True),
+        (2, True),
+        (3, True),
+        (3, True),
+        (4, False),
+        (4, False),
+    ]
+    commit(p, again)
+    # Every sample counts once: what was leased again is all replay.
+    assert p.counters.leased - p.counters.replayed == p.counters.committed == 5 * 8
+
+
+def test_at_depth_2_a_joiner_targets_the_first_step_on_what_it_downloads() -> None:
+    p = make(depth=2)
+    open_all(p)  # step 0 (a drain point) and steps 1, 2 on its parameters
+    assert p.target_step == 0
+    commit(p, [x for x in lease_all(p) if x.step == 0])
+    assert p.phase is Phase.APPLY and p.target_step == 3
+    apply_everywhere(p)
+    assert (p.step, p.steps_ahead, p.target_step) == (1, 1, 3)
+    open_all(p)
+    assert (p.ahead, p.target_step) == (3, 4)
+
+
+def test_at_depth_3_a_restarted_coordinator_keeps_every_step_open_ahead(tmp_path: Path) -> None:
+    p = make(depth=3)
+    open_all(p)
+    leases = lease_all(p)
+    commit(p, [x for x in leases if x.step in (0, 2)])
+    p.await_acks({"a"})
+    members = Membership(num_stages=2, activation_codec=1, gradient_codec=1)
+    db = StateDB.create(tmp_path / "c.sqlite", load_config(None, ["train.step_overlap=3"]))
+    db.save(p, members, Extras())
+    db.close()
+
+    again = make(depth=3)
+    again.phase, again._opened = Phase.WAITING, False  # a fresh coordinator, not started
+    again.history.clear()
+    StateDB.open(tmp_path / "c.sqlite").load(again, Membership(2, 1, 1))
+    assert (again.phase, again.step, again.ahead, again.steps_ahead) == (Phase.APPLY, 0, 3, 3)
+    assert [again.trains_on(s) for s in range(4)] == [0, 0, 0, 0]
+    assert not again.open_ahead(settled=True)  # the next step to open is a drain point
+    # Steps 1 and 3's leases are still out and commit; step 2 is applied as soon as current.
+    commit(again, [x for x in leases if x.step in (1, 3)])
+    applied = []
+    while again.phase is Phase.APPLY:
+        applied.append(again.step)
+        apply_everywhere(again)
+    assert applied == [0, 1, 2, 3] and (again.step, again.trains_on(4)) == (4, 4)
+
+
+def test_at_depth_2_a_released_lease_goes_back_in_front_of_its_own_step() -> None:
+    p = make(depth=2)
+    open_all(p)
+    leases = lease_all(p)
+    first = {s: next(x for x in leases if x.step == s) for s in (0, 1, 2)}
+    for s in (0, 2, 1):
+        assert p.release("h", first[s].lease_id)
+    # The queue stays in step order: each replay goes behind the steps before its own.
+    assert [(r.step, r.replay) for r in p.pending_ranges()] == [(0, True), (1, True), (2, True)]
+
+
+async def test_the_coordinator_opens_every_step_its_depth_allows(tmp_path: Path) -> None:
+    # In-process coordinator at depth 3: the steps ahead open at once, leases say each
+    # one's version, and StepState names the newest open step.
+    swarm = Swarm(tmp_path, "train.step_overlap=3")
+    service = swarm.service
+    p = service.protocol
+    await swarm.start()
+    assert (p.step, p.ahead, p.steps_ahead) == (0, 3, 3)
+    state = control_pb2.StepState.FromString(
+        next(x for t, x in reversed(swarm.broker.published) if t == service.topics.step)
+    )
+    assert (state.step, state.ahead, state.trains_on) == (0, 3, 0)
+    head = next(n for n in NODES if service.membership.members[n].stage == 0)
+    steps = set()
+    while True:
+        reply = await service.Lease(
+            coordinator_pb2.LeaseRequest(node_id=head, wait_seconds=0), swarm.ctx(head)
+        )
+        if reply.status != reply.STATUS_GRANTED:
+            break
+        steps.add((reply.step, reply.trains_on))
+    assert steps == {(0, 0), (1, 0), (2, 0), (3, 0)}

@@ -23,6 +23,9 @@ def test_the_summary_says_how_many_steps_trained_a_step_behind() -> None:
         status.steps.add(step=step, trains_on=trains_on, samples=4, seconds=1.0, elapsed_s=step)
     (line,) = [x for x in summary_lines(status) if "throughput" in x]
     assert line.endswith("; 2 of 3 trained a step behind (step overlap)")
+    status.steps[2].trains_on = 0  # train.step_overlap = 2
+    (line,) = [x for x in summary_lines(status) if "throughput" in x]
+    assert line.endswith("; 2 of 3 trained up to 2 steps behind (step overlap)")
     for s in status.steps:
         s.trains_on = s.step
     (line,) = [x for x in summary_lines(status) if "throughput" in x]

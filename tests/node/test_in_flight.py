@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from swarmpipe.node.in_flight import MAX_WINDOW, START_WINDOW, InFlightSizer
+from swarmpipe.node.in_flight import (
+    MAX_DEEP_WINDOW,
+    MAX_WINDOW,
+    START_WINDOW,
+    InFlightSizer,
+    window_cap,
+)
 
 
 def _update(sizer: InFlightSizer, **kw: object) -> int:
@@ -61,3 +67,14 @@ def test_the_window_is_bounded() -> None:
     small.add_round_trip(0.01)
     assert _update(small, own_compute_s=1.0) == 2  # one in flight plus one: never below 1
     assert _update(InFlightSizer(maximum=4), own_compute_s=0.001) == START_WINDOW
+
+
+def test_deeper_overlap_raises_the_cap_to_the_open_steps_microbatches() -> None:
+    # 4 microbatches a step: up to depth 3 the 16 of four open steps fit under MAX_WINDOW;
+    # deeper, every open step's microbatches may be in flight, up to MAX_DEEP_WINDOW.
+    assert [window_cap(microbatches_per_step=4, overlap_depth=k) for k in (0, 1, 3)] == [16] * 3
+    assert window_cap(microbatches_per_step=4, overlap_depth=4) == 20
+    assert window_cap(microbatches_per_step=4, overlap_depth=8) == MAX_DEEP_WINDOW == 32
+    sizer = InFlightSizer(maximum=window_cap(microbatches_per_step=4, overlap_depth=8))
+    sizer.add_round_trip(100.0)
+    assert _update(sizer, own_compute_s=0.001) == 32

@@ -1,7 +1,9 @@
-"""train.step_overlap in the stage runtime: two steps in flight on two parameter versions give
+"""train.step_overlap in the stage runtime: steps in flight on several parameter versions give
 the gradients each would give alone, and the optimizer step never touches an open graph."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -32,8 +34,11 @@ class Pipe:
     """Stage 0 and stage 1 of the model in this process; a microbatch in two halves, so
     microbatches of two steps can interleave with an optimizer step between."""
 
-    def __init__(self, overlap: bool) -> None:
-        config = OVERLAP if overlap else PLAIN
+    def __init__(self, overlap: bool | int) -> None:
+        if isinstance(overlap, bool):
+            config = OVERLAP if overlap else PLAIN
+        else:
+            config = load_config(None, [*SETTINGS, f"train.step_overlap={overlap}"])
         self.stages = [StageRuntime(config, 0), StageRuntime(config, 1)]
 
     def start(self, name: str, seed: int, step: int, trains_on: int) -> tuple[torch.Tensor, ...]:
@@ -134,3 +139,88 @@ def test_without_overlap_the_step_must_be_the_current_one() -> None:
     stage.check_step(0, 0)
     with pytest.raises(PeerError, match="this node is at step 0"):
         stage.check_step(1, 0)
+
+
+def test_at_depth_3_steps_on_three_versions_at_once_equal_each_computed_alone() -> None:
+    # Depth 3 in its steady state: step s trains on version max(0, s - 3). Microbatches of
+    # steps 2 to 5 are in flight on versions 0, 1 and 2 at once, each cut in two halves with
+    # optimizer steps between them.
+    depth, steps = 3, 6
+    trains_on = [max(0, s - depth) for s in range(steps)]
+    seeds = {s: (10 * s + 1, 10 * s + 2) for s in range(steps)}
+    pipe = Pipe(overlap=depth)
+    held: dict[int, set[int]] = {}
+
+    def start(s: int, i: int) -> tuple[torch.Tensor, ...]:
+        return pipe.start(f"{s}{i}", seeds[s][i], step=s, trains_on=trains_on[s])
+
+    def finish(s: int, i: int, started: tuple[torch.Tensor, ...]) -> None:
+        pipe.finish(f"{s}{i}", started, step=s, trains_on=trains_on[s])
+
+    def run(s: int, i: int) -> None:
+        finish(s, i, start(s, i))
+
+    sums: dict[int, list[torch.Tensor]] = {}
+
+    def apply(s: int) -> None:
+        sums[s] = pipe.sums(s, trains_on[s])
+        pipe.apply(s, trains_on[s])
+        held[s] = set(pipe.stages[0]._versions)
+
+    half = {(s, 0): start(s, 0) for s in range(4)}  # steps 0-3 open, all on version 0
+    finish(0, 0, half.pop((0, 0)))
+    run(0, 1)
+    apply(0)  # version 1
+    half[4, 0] = start(4, 0)  # step 4 opens on version 1
+    finish(1, 0, half.pop((1, 0)))
+    run(1, 1)
+    apply(1)  # version 2
+    half[5, 0] = start(5, 0)  # step 5 opens on version 2: versions 0, 1, 2 all in flight
+    assert set(pipe.stages[0]._versions) == {0, 1, 2}
+    finish(2, 0, half.pop((2, 0)))
+    run(2, 1)
+    apply(2)
+    finish(4, 0, half.pop((4, 0)))
+    finish(3, 0, half.pop((3, 0)))
+    run(3, 1)
+    apply(3)
+    run(4, 1)
+    apply(4)
+    finish(5, 0, half.pop((5, 0)))
+    run(5, 1)
+    apply(5)
+    # Versions are freed once no open step can train on them (steps 4, 5 on 1, 2 after 3).
+    assert held[2] == {0, 1, 2} and held[3] == {1, 2, 3} and held[5] == {3, 4, 5}
+
+    # The same rule one step at a time, without overlap: step s's gradient taken alone on a
+    # copy of version trains_on[s], applied to the newest parameters.
+    newest = Pipe(overlap=False)
+    versions = [copy.deepcopy(newest)]
+    for s in range(steps):
+        at = copy.deepcopy(versions[trains_on[s]])
+        v = trains_on[s]
+        at.run(f"{s}0", seeds[s][0], v, v)
+        at.run(f"{s}1", seeds[s][1], v, v)
+        for ours, alone in zip(sums[s], at.sums(v, v), strict=True):
+            assert torch.equal(ours, alone)
+        newest.apply(s, s, [stage.local_gradient(v, v) for stage in at.stages])
+        versions.append(copy.deepcopy(newest))
+    for ours, alone in zip(pipe.parameters(), newest.parameters(), strict=True):
+        assert torch.equal(ours, alone)
+
+
+def test_at_depth_3_a_hop_is_refused_beyond_the_depth_or_on_a_version_gone() -> None:
+    stage = Pipe(overlap=3).stages[1]
+    stage.check_step(3, 0)  # three steps ahead, on the current parameters
+    with pytest.raises(PeerError, match="step 4"):
+        stage.check_step(4, 0)  # four ahead
+    for s in range(3):
+        stage.apply_step(s)
+    stage.check_step(5, 2)
+    stage.check_step(3, 0)  # version 0 is still held: step 3 may train on it
+    with pytest.raises(PeerError, match="on the parameters of step 1;"):
+        stage.check_step(5, 1)  # more than three steps old
+    stage.apply_step(3)
+    assert set(stage._versions) == {1, 2, 3}  # no step open now can train on version 0
+    with pytest.raises(PeerError, match="step 4 on the parameters of step 0"):
+        stage.check_step(4, 0)
