@@ -516,6 +516,7 @@ class Membership:
             reason=reason,
         )
         member.stage, member.serving, member.ready_step = stage, False, -1
+        member.param_digest = ""  # of the state it leaves; Ready reports the one it fetched
         member.move_order = order.order
         member.moved_from = member.telemetry or control_pb2.Telemetry()
         member.moved_at_step = self._latest_step()

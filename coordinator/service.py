@@ -935,7 +935,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 return Reply(status=Reply.STATUS_STALE, step=p.step, applying=applying)
             pending = member.ready_step == step
             if member.online and not pending:  # its Last Will is armed: losing it is noticed
-                member.last_step = step - 1
+                # What it holds is the stage's state after step - 1: its digest is what the
+                # stage's replicas reported for that step (Membership.diverged compares them).
+                member.last_step, member.param_digest = step - 1, request.param_digest
                 if applying or step != p.step:
                     # A step to come (the next while this one is applied; with
                     # train.step_overlap, the first that trains on the newest parameters).

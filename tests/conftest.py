@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
+from swarmpipe.protos import coordinator_pb2
 from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CREDENTIAL_KEY, ROLE_COORDINATOR, RunKey
 from tests.reaper import start_reaper
 
@@ -153,6 +154,16 @@ def grpcurl_protos(folder: Path) -> list[str]:
         str(root),
         *(a for f in files for a in ("-proto", f"swarmpipe/protos/{f}")),
     ]
+
+
+def run_to_end(stub: Any, timeout: float = 240) -> coordinator_pb2.StatusReply:
+    """The coordinator's Status once its run is done (`stub`: a CoordinatorStub)."""
+    final: coordinator_pb2.StatusReply = poll_until(
+        lambda: (s := stub.Status(coordinator_pb2.StatusRequest(), timeout=5)).done and s,
+        timeout,
+        "the run to finish",
+    )
+    return final
 
 
 def organiser_channel(target: str, state_dir: Path) -> grpc.Channel:

@@ -106,3 +106,14 @@ def test_of_two_replicas_that_differ_the_one_in_the_swarm_longer_is_kept() -> No
     _applied(m, 3, late="x", early="y")
     (order,) = m.diverged(3)
     assert order.node_id == "late" and [x.node_id for x in m.replicas(0)] == ["early"]
+
+
+def test_a_moved_node_is_not_judged_by_the_digest_of_the_stage_it_left() -> None:
+    m = make(2)
+    for name, stage in (("a", 0), ("b", 0), ("c", 1)):
+        _serving(m, name, stage)
+    _applied(m, 4, a="x", b="x", c="z")
+    b = m.members["b"]
+    m.move(b, 1, "moved by the operator")
+    b.serving, b.last_step = True, 4  # it serves stage 1 from step 5 (Ready, no digest)
+    assert m.diverged(4) == []

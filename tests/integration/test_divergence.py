@@ -13,8 +13,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from swarmpipe.process.ready import poll_until
-from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from swarmpipe.protos import coordinator_pb2_grpc
+from tests.conftest import run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -30,11 +30,7 @@ def test_a_replica_that_drifted_is_re_synced_and_the_replicas_agree_again(procs,
     channel = grpc.insecure_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
-        final = poll_until(
-            lambda: (s := stub.Status(coordinator_pb2.StatusRequest(), timeout=5)).done and s,
-            240,
-            "the run to finish",
-        )
+        final = run_to_end(stub)
     finally:
         channel.close()
     assert marker.exists(), "n1 never reached the fault point"

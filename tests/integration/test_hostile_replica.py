@@ -19,8 +19,8 @@ import torch
 from swarmpipe.config import load_config
 from swarmpipe.node.robust_reduce import plain_sum
 from swarmpipe.node.stage_runtime import StageRuntime
-from swarmpipe.process.ready import poll_until
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
+from tests.conftest import run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -34,11 +34,7 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
     channel = grpc.insecure_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
-        final = poll_until(
-            lambda: (s := stub.Status(coordinator_pb2.StatusRequest(), timeout=5)).done and s,
-            240,
-            "the run to finish",
-        )
+        final = run_to_end(stub)
         # A benched node cannot come back under its name, and a stranger (no node credential)
         # cannot report.
         with pytest.raises(grpc.RpcError) as refused:
@@ -85,11 +81,7 @@ def test_a_replica_sending_noise_is_dropped_benched_and_the_honest_ones_stay_equ
     channel = grpc.insecure_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
-        final = poll_until(
-            lambda: (s := stub.Status(coordinator_pb2.StatusRequest(), timeout=5)).done and s,
-            240,
-            "the run to finish",
-        )
+        final = run_to_end(stub)
     finally:
         channel.close()
     # Benched for its tensors' equal scales, never an honest replica; each drop was reported.
