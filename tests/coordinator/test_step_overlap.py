@@ -31,6 +31,20 @@ def make(steps: int = 6, drain_every: int = 0, eval_every: int = 0, depth: int =
     return p
 
 
+def _saved_and_loaded(
+    p: StepProtocol, tmp_path: Path, settings: list[str], again: StepProtocol
+) -> StepProtocol:
+    """`p` saved to a state database and loaded into `again`, a fresh coordinator's protocol
+    that has not started (a restart)."""
+    db = StateDB.create(tmp_path / "c.sqlite", load_config(None, settings))
+    db.save(p, Membership(num_stages=2, activation_codec=1, gradient_codec=1), Extras())
+    db.close()
+    again.phase, again._opened = Phase.WAITING, False
+    again.history.clear()
+    StateDB.open(tmp_path / "c.sqlite").load(again, Membership(2, 1, 1))
+    return again
+
+
 def lease_all(p: StepProtocol) -> list[Lease]:
     leases = []
     while (lease := p.lease("h")) is not None:
@@ -223,15 +237,7 @@ def test_a_restarted_coordinator_keeps_the_step_open_ahead(tmp_path: Path) -> No
     p.await_acks({"a"})
     first_of_step1 = next(x for x in leases if x.step == 1 and not x.eval)
     assert p.release("h", first_of_step1.lease_id)
-    members = Membership(num_stages=2, activation_codec=1, gradient_codec=1)
-    db = StateDB.create(tmp_path / "c.sqlite", load_config(None, []))
-    db.save(p, members, Extras())
-    db.close()
-
-    again = make(eval_every=1)
-    again.phase, again._opened = Phase.WAITING, False  # a fresh coordinator, not started
-    again.history.clear()
-    StateDB.open(tmp_path / "c.sqlite").load(again, Membership(2, 1, 1))
+    again = _saved_and_loaded(p, tmp_path, [], make(eval_every=1))
     assert (again.phase, again.step, again.ahead) == (Phase.APPLY, 0, 1)
     assert [again.trains_on(s) for s in (0, 1)] == [0, 0]
     assert [(r.step, r.start) for r in again.pending_ranges()] == [(1, 8)]
@@ -451,15 +457,7 @@ def test_at_depth_3_a_restarted_coordinator_keeps_every_step_open_ahead(tmp_path
     leases = lease_all(p)
     commit(p, [x for x in leases if x.step in (0, 2)])
     p.await_acks({"a"})
-    members = Membership(num_stages=2, activation_codec=1, gradient_codec=1)
-    db = StateDB.create(tmp_path / "c.sqlite", load_config(None, ["train.step_overlap=3"]))
-    db.save(p, members, Extras())
-    db.close()
-
-    again = make(depth=3)
-    again.phase, again._opened = Phase.WAITING, False  # a fresh coordinator, not started
-    again.history.clear()
-    StateDB.open(tmp_path / "c.sqlite").load(again, Membership(2, 1, 1))
+    again = _saved_and_loaded(p, tmp_path, ["train.step_overlap=3"], make(depth=3))
     assert (again.phase, again.step, again.ahead, again.steps_ahead) == (Phase.APPLY, 0, 3, 3)
     assert [again.trains_on(s) for s in range(4)] == [0, 0, 0, 0]
     assert not again.open_ahead(settled=True)  # the next step to open is a drain point
