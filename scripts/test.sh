@@ -17,9 +17,9 @@ mkdir -p .build && ln -sfn .. .build/swarmpipe
 echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy -p swarmpipe
 echo "== generated protobuf code"; .venv/bin/python scripts/gen_protos.py --check
-# Three workers, on two cores too: the long scenarios mostly wait on slow links (docs/design.md,
-# Tests). PYTEST_WORKERS=0: one process. loadfile keeps each module on one worker, so a
+# Two workers (PYTEST_WORKERS=3 is faster on two cores, the long scenarios mostly waiting on
+# slow links, but starves the tests that measure a link; docs/design.md, Tests; =0: one process). loadfile keeps each module on one worker, so a
 # swarm or run that a module's tests share starts once; files go out in collection order
 # (tests/conftest.py puts the modules with slow tests first), not reordered by size.
 echo "== pytest"
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
