@@ -63,12 +63,20 @@ def kill_marked(token: str) -> int:
     killed may just have started a node); returns how many were killed."""
     killed: set[int] = set()
     deadline = time.monotonic() + KILL_ROUNDS_S
+    empty_scans = 0
     while time.monotonic() < deadline:
         # A killed process whose parent is gone is a zombie until init reaps it, and a
-        # zombie's environ reads empty: it is not found twice.
+        # zombie's environ reads empty: it is not found twice. So does a process in the
+        # middle of its exec (the kernel sets up the new environment after the exec has
+        # begun), so one empty scan is not enough to stop.
         pids = [pid for pid in marked_processes(token) if pid != os.getpid()]
         if not pids:
-            break
+            empty_scans += 1
+            if empty_scans == 2:
+                break
+            time.sleep(0.05)
+            continue
+        empty_scans = 0
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
