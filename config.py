@@ -608,12 +608,15 @@ class RobustConfig:
     sample for DiLoCo deltas), or its token count, exceeds this many times the median of
     the other replicas'. Honest replicas on a shared data stream differ by a small factor
     (microbatch noise, uneven traffic); 10 leaves them room while a x1000 gradient fails."""
-    clip_radius: float = 1.0
+    clip_radius: float = 4.0
     """With three or more contributions the replicas combine them by a centred clip: each
-    one's offset from the centre counts at most this many times the median offset from the
-    coordinate-wise median. Iterated, a fixed radius converges to the plain mean once every
-    offset fits inside it, so a wide radius lets noise of a plausible norm (about 1.7x an
-    honest offset) back in; at 1.0 it stays clipped and honest ones are shortened little."""
+    one's offset from the centre counts at most this many times the median offset, offsets
+    measured in units of 1/sqrt(its tokens), how far an honest mean strays. At 4 honest ones
+    are almost never clipped (once in 360 step-aggregates of the tests' model, never in 60 of
+    the default one), so a clean run takes the plain mean whichever replica got which
+    microbatch, as single-process training does; at 1 the farthest honest one was shortened
+    at every step and two clean runs of one seed differed by up to 42 % at a loss spike.
+    Whatever passes the screens pulls at most this radius."""
     clip_iterations: int = 3
     """Rounds of the centred clip (the first already lands on the plain mean when nothing
     is clipped)."""

@@ -844,6 +844,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             stage_peers=peers,
             now=time.monotonic(),
             sole_server=suspect.serving and not suspect.drained and not peers,
+            conclusive=request.conclusive,
         )
         if entry is None:
             if kinds[request.kind] == DATA and suspect.serving and not peers:

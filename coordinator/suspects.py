@@ -15,9 +15,13 @@ benched it; on the tests' tiny model an honest gradient came out as unrelated
 as noise at 2-5 % of steps). Its contribution is dropped and reported each
 time, so one odd step costs that step's share, not a node for `bench_s`; a
 hostile replica fails at every reduce it is judged in, and is benched at its
-second. A data-plane refusal has only one witness (the receiving node), so one
-report benches: a hostile node can bench its neighbours that way, a known limit
-until calls carry credentials.
+second. One screen is exempt: a contribution as even across tensors as noise,
+beside a witness that shows honest ones are not (the tensor-scale screen), is a
+verdict no honest gradient has come near (hundreds of sigma apart), so when a
+majority calls theirs conclusive the first one benches: a noise sender costs one
+step's share, not two. A data-plane refusal has only one witness (the receiving
+node), so one report benches: a hostile node can bench its neighbours that way, a
+known limit until calls carry credentials.
 
 A benched node is drained (out of the plan; it stops) and its Join is refused
 until `bench_s` has passed. A data-plane report never benches the only serving
@@ -63,6 +67,8 @@ class Suspects:
     history: list[Benched] = field(default_factory=list)
     convicted: dict[str, set[int]] = field(default_factory=dict)
     """Suspect -> the recent steps at which a majority reported its reduce contribution."""
+    sure: dict[tuple[str, int, str], set[str]] = field(default_factory=dict)
+    """(suspect, step, kind) -> the reporters that called their verdict conclusive."""
     accepted: int = 0
     spared: int = 0
     """Data-plane reports that would have benched their stage's only serving replica."""
@@ -79,19 +85,25 @@ class Suspects:
         stage_peers: set[str],
         now: float,
         sole_server: bool = False,
+        conclusive: bool = False,
     ) -> Benched | None:
         """Record one report; the new bench when it tips the suspect over the threshold.
 
         `stage_peers` are the suspect's stage's other serving replicas (for a reduce report);
-        `sole_server`: the suspect serves its stage alone (a data-plane report spares it).
+        `sole_server`: the suspect serves its stage alone (a data-plane report spares it);
+        `conclusive`: a reduce verdict of a screen no honest gradient has come near, for
+        which one majority step is enough.
         """
         self.accepted += 1
         key = (suspect, step, kind)
         witnesses = self.reports.setdefault(key, {})
         witnesses[reporter] = reason
+        if conclusive:
+            self.sure.setdefault(key, set()).add(reporter)
         # Keep a bounded history: only the latest steps' reports can still count.
         for old in [k for k in self.reports if k[1] < step - 2]:
             del self.reports[old]
+            self.sure.pop(old, None)
         for steps in self.convicted.values():
             steps.difference_update([s for s in steps if s <= step - VERDICT_WINDOW])
         if self.is_benched(suspect, now):
@@ -103,7 +115,10 @@ class Suspects:
                 return None
             steps = self.convicted.setdefault(suspect, set())
             steps.add(step)
-            if len(steps) < self.verdicts:
+            # A conclusive verdict benches at once, when a majority called it conclusive.
+            sure = self.sure.get(key, set()) & stage_peers
+            at_once = len(sure) >= 2 and 2 * len(sure) > len(stage_peers)
+            if len(steps) < self.verdicts and not at_once:
                 return None
         elif sole_server:
             self.spared += 1

@@ -449,10 +449,10 @@ class ReplicaSync:
         if self.ctx.node_id in result.rejected:
             # What a stateful codec kept back belongs to a vector nobody applied.
             self._encoder.reset()
-        await self._report(step, result.rejected)
+        await self._report(step, result.rejected, set(result.conclusive))
         return result
 
-    async def _report(self, step: int, rejected: dict[str, str]) -> None:
+    async def _report(self, step: int, rejected: dict[str, str], conclusive: set[str]) -> None:
         """Log each dropped contribution and report its sender to the coordinator."""
         d = self.ctx
         for node, reason in sorted(rejected.items()):
@@ -468,6 +468,7 @@ class ReplicaSync:
                 step=step,
                 kind=coordinator_pb2.ReportPeerRequest.KIND_REDUCE,
                 reason=reason,
+                conclusive=node in conclusive,
             )
             try:
                 await d.coordinator.stub.ReportPeer(request, timeout=REPORT_TIMEOUT_S)

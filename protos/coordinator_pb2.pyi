@@ -822,11 +822,16 @@ class ReportPeerRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    CONCLUSIVE_FIELD_NUMBER: _builtins.int
     reporter: _builtins.str
     suspect: _builtins.str
     step: _builtins.int
     kind: Global___ReportPeerRequest.Kind.ValueType
     reason: _builtins.str
+    conclusive: _builtins.bool
+    """REDUCE only: a screen no honest gradient has come near dropped it (node/robust_reduce.py),
+    so one majority verdict benches the suspect instead of robust.bench_verdicts of them.
+    """
     def __init__(
         self,
         *,
@@ -835,10 +840,11 @@ class ReportPeerRequest(_message.Message):
         step: _builtins.int = ...,
         kind: Global___ReportPeerRequest.Kind.ValueType = ...,
         reason: _builtins.str = ...,
+        conclusive: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "reason", b"reason", "reporter", b"reporter", "step", b"step", "suspect", b"suspect"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conclusive", b"conclusive", "kind", b"kind", "reason", b"reason", "reporter", b"reporter", "step", b"step", "suspect", b"suspect"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

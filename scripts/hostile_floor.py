@@ -15,14 +15,16 @@ JSON, one entry per seed and policy, each beside `clean`:
   two clean testnets of one seed differ: the floor of any comparison of runs;
 - single: the plain sum of every gradient, single-process training;
 - drop: n2 honest, but its contribution dropped whenever it has traffic until
-  the coordinator's rule (coordinator/suspects.py) benches it: the floor of any
-  defence that drops what it catches, even one that catches it at once;
+  the coordinator's rule (coordinator/suspects.py) benches it, on the first
+  verdict as for a conclusive one: the floor of any defence that drops what it
+  catches, even one that catches it at once;
 - noise: n2 sends noise of its gradient's norm (node/hostile.py) and the
   screens of the run's config judge it.
 
 Figures are the per-step relative difference of the loss from clean's: mean,
 max, the steps past 2 %, and the mean over the last four; each drop is listed
-as (step, sender, the start of the screen's reason).
+as (step, sender, the start of the screen's reason), and each step at which the centred
+clip shortened a contribution as (step, senders).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def replay(overrides: list[str], steps: int, policy: str, seed: int) -> dict[str
     benched: dict[str, int] = {}
     losses: list[float] = []
     drops: list[tuple[int, str, str]] = []
+    clipped: list[tuple[int, tuple[str, ...]]] = []
     for step in range(steps):
         serving = [n for n in NODES if n not in benched]
         sums: dict[str, list[Contribution]] = {n: [] for n in serving}
@@ -114,6 +117,8 @@ def replay(overrides: list[str], steps: int, policy: str, seed: int) -> dict[str
             tensor_sigmas=robust.tensor_sigmas,
         )
         runtime.apply_step(step, result.total)
+        if result.clipped:
+            clipped.append((step, result.clipped))
         for suspect in sorted(dropped | set(result.rejected)):
             # Which screen: an honest replica dropped in a clean replay is a false drop.
             drops.append((step, suspect, result.rejected.get(suspect, "the policy")[:48]))
@@ -128,10 +133,12 @@ def replay(overrides: list[str], steps: int, policy: str, seed: int) -> dict[str
                     stage=0,
                     stage_peers=peers,
                     now=0.0,
+                    # The policy's drop stands for a defence sure at once.
+                    conclusive=suspect in dropped or suspect in result.conclusive,
                 )
                 if entry is not None:
                     benched[suspect] = step
-    return {"losses": losses, "dropped_at": drops, "benched": benched}
+    return {"losses": losses, "dropped_at": drops, "clipped_at": clipped, "benched": benched}
 
 
 def compare(losses: list[float], clean: list[float]) -> dict[str, Any]:
@@ -165,6 +172,7 @@ def main() -> None:
                     "policy": policy,
                     **compare(run["losses"], clean),
                     "dropped_at": run["dropped_at"],
+                    "clipped_at": run.get("clipped_at", []),
                     "benched": run["benched"],
                     "losses": [round(x, 4) for x in run["losses"]],
                 }

@@ -14,8 +14,10 @@ def _report(
     *,
     sole: bool = False,
     step: int = 4,
+    conclusive: bool = False,
 ):  # type: ignore[no-untyped-def]
     return s.report(
+        conclusive=conclusive,
         sole_server=sole,
         reporter=reporter,
         suspect=suspect,
@@ -84,3 +86,18 @@ def test_a_reduce_suspect_is_benched_at_its_second_majority_verdict_within_four_
     assert entry is not None and entry.step == 8 and s.is_benched("x", 100.0)
     # A data-plane refusal still benches at once: it has only one witness anyway.
     assert _report(s, "a", "y", peers, DATA) is not None
+
+
+def test_a_conclusive_majority_verdict_benches_at_once_but_one_reporter_cannot_make_it() -> None:
+    # The tensor-scale screen with a witness: no honest gradient has come near its bound.
+    s = Suspects(bench_s=60.0)
+    peers = {"a", "b"}
+    assert _report(s, "a", "x", peers, step=2, conclusive=True) is None  # one voter
+    entry = _report(s, "b", "x", peers, step=2, conclusive=True)
+    assert entry is not None and entry.step == 2 and s.is_benched("x", 100.0)
+    # A hostile reporter calling its own report conclusive does not make an honest
+    # replica's one ordinary verdict a bench: conclusive needs a majority of its own.
+    s = Suspects(bench_s=60.0)
+    assert _report(s, "x", "c", {"a", "x", "d"}, step=2, conclusive=True) is None
+    assert _report(s, "a", "c", {"a", "x", "d"}, step=2) is None
+    assert not s.is_benched("c", 100.0)

@@ -30,7 +30,12 @@ STEPS = 6
 def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_reported(
     procs, tiny, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    coordinator, records = _swarm_with_hostile(procs, tiny, tmp_path, "scale:1000", STEPS)
+    # Bench at the first verdict: the norm screen's is not conclusive, the fastest replica
+    # leases most microbatches, and nx had traffic at one step of six in one run (the
+    # two-verdict rule is test_suspects.py's).
+    coordinator, records = _swarm_with_hostile(
+        procs, tiny, tmp_path, "scale:1000", STEPS, "robust.bench_verdicts=1"
+    )
     channel = grpc.insecure_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
@@ -74,7 +79,8 @@ def test_a_replica_sending_noise_is_dropped_benched_and_the_honest_ones_stay_equ
     # Eight microbatches a step, not four, and one in flight a head: the fastest replica
     # leases what it can, and nx had traffic at one step of eight in one run and at none
     # after step 0 in another. The default screens only: the tensor-scale screen needs no
-    # optimizer history, so the noise is dropped from step 0 on, as x1000 is.
+    # optimizer history, so the noise is dropped from step 0 on, as x1000 is. Its verdict is
+    # conclusive, so the default rule (two verdicts) benches at the first one.
     coordinator, records = _swarm_with_hostile(
         procs, tiny, tmp_path, "noise", 12, "train.microbatch=2", "pipeline.in_flight=1",
     )  # fmt: skip
@@ -132,10 +138,6 @@ def _swarm_with_hostile(  # type: ignore[no-untyped-def]
     coordinator = procs.coordinator(
         *tiny, "pipeline.stages=1", f"train.steps={steps}", "coordinator.min_nodes=3",
         "checkpoint.every_steps=0", "pipeline.reduce_timeout_s=20",
-        # Bench at the first verdict: the fastest replica leases most microbatches, and nx
-        # had traffic at one step of six in one run (the two-verdict rule is
-        # test_suspects.py's).
-        "robust.bench_verdicts=1",
         *settings,
     )  # fmt: skip
     records = tmp_path / "records"

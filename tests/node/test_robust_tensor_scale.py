@@ -103,6 +103,8 @@ def test_noise_among_three_is_dropped_and_the_clip_takes_the_rest(
     result = _judge({"a": a, "b": b, "c": c, "x": _noise(d)}, sizes)
     assert set(result.rejected) == {"x"} and result.accepted == ("a", "b", "c")
     assert result.total[1] == a[1] + b[1] + c[1]
+    # Honest gradients beside it show what honest looks like: the coordinator may bench at once.
+    assert result.conclusive == ("x",)
 
 
 def test_a_step_whose_contributions_are_all_flat_drops_nobody(
@@ -127,9 +129,12 @@ def test_a_lone_contribution_is_judged_beside_the_second_moment_or_by_the_bound_
     assert set(result.rejected) == {"x"}
     assert "while the optimizer second moment's differ" in result.rejected["x"]
     assert result.total[1] == 0  # the step applies nothing
-    # At step 0 nothing is beside it: the bound alone judges, and honest ones pass.
+    assert result.conclusive == ("x",)
+    # At step 0 nothing is beside it: the bound alone judges, and honest ones pass; with no
+    # witness the verdict is not conclusive (a bench takes a second one).
     first = _judge(alone, sizes)
     assert set(first.rejected) == {"x"} and "nothing else at this step" in first.rejected["x"]
+    assert first.conclusive == ()
     assert _judge({"i": idle, "b": b}, sizes).rejected == {}
     assert _judge({"b": b}, sizes, profile=second_moment).rejected == {}
 
@@ -191,3 +196,37 @@ def test_config_refuses_a_negative_bound() -> None:
     with pytest.raises(ConfigError, match=r"robust\.tensor_sigmas must be >= 0"):
         RobustConfig(tensor_sigmas=-1.0)
     assert RobustConfig().tensor_sigmas == 10.0
+
+
+def test_honest_replicas_take_the_plain_mean_whoever_got_which_microbatch(
+    model: tuple[list[int], list[Contribution]],
+) -> None:
+    # At the default radius nothing honest is clipped, so the step is single-process
+    # training's, and two clean runs that dealt their microbatches differently agree.
+    sizes, grads = model
+    radius = RobustConfig().clip_radius
+
+    def dealt(*groups: tuple[int, ...]) -> dict[str, Contribution]:
+        return {
+            f"n{i}": (
+                sum((grads[k][0] for k in group), torch.zeros_like(grads[0][0])),
+                sum(grads[k][1] for k in group),
+                sum(grads[k][2] for k in group),
+            )
+            for i, group in enumerate(groups)
+        }
+
+    plain = sum((g[0] for g in grads), torch.zeros_like(grads[0][0]))
+    for groups in [((0, 1), (2,), (3,)), ((0,), (1, 2), (3,)), ((3,), (0,), (1, 2))]:
+        result = aggregate(
+            dealt(*groups),
+            per="tokens",
+            norm_ratio=10.0,
+            clip_radius=radius,
+            clip_iterations=3,
+            sizes=sizes,
+            tensor_sigmas=10.0,
+        )
+        assert result.rejected == {} and result.clipped == ()
+        assert result.total[1] == sum(g[1] for g in grads)
+        torch.testing.assert_close(result.total[0], plain, rtol=1e-4, atol=1e-7)
