@@ -71,6 +71,9 @@ THROUGHPUT_VIEW_S = 2.0
 APPLY_SLACK_S = 20.0
 # How often the coordinator looks for an APPLY that a node cannot finish.
 APPLY_CHECK_S = 1.0
+# A step begins again at most this many times (a held APPLY that benched somebody): then it
+# is applied unheld, as the screens left it, so no run can be held at one step for ever.
+MAX_ATTEMPTS = 3
 
 
 def apply_timeout(config: RunConfig) -> float:
@@ -154,6 +157,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.suspects = Suspects(
             bench_s=config.robust.bench_s, verdicts=config.robust.bench_verdicts
         )
+        self._benched_in_apply: set[str] = set()
+        """Nodes benched during the current held APPLY: their step begins again without
+        them (`_end_hold`)."""
+        self.begun_again: set[tuple[str, int]] = set()
+        """(node, step) of each bench that took its step back."""
         self.db = state_db
         """Where every change that matters is recorded (coordinator/state_db.py); None: not
         kept (unit tests)."""
@@ -270,6 +278,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             samples=p.current.samples if p.history else 0,
             trains_on=p.trains_on(p.step),
             ahead=p.ahead or 0,
+            attempt=p.attempt,
+            hold=p.apply_held,
         )
         if p.phase is Phase.SAVING:
             self._choose_savers()
@@ -415,6 +425,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """
         p = self.protocol
         before = before or (p.phase, p.step)
+        held_before, attempt_before = p.apply_held, p.attempt
         enough = len(self.membership.live()) >= self.config.coordinator.min_nodes or p.history
         if p.phase is Phase.WAITING and self.membership.covered() and enough:
             p.start()
@@ -426,10 +437,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for order in self.membership.second_replicas(time.monotonic()):
                 await self._moved(order)
         ahead_before = p.ahead
+        if p.apply_held and not p.reduce_owed:
+            self._end_hold()
         while p.phase is Phase.APPLY:
             if not p.acks_set:
-                # The step just ended: every live node must apply it before the next opens.
-                p.await_acks({m.node_id for m in self.membership.live()})
+                # The step just ended: every live node must apply it before the next opens;
+                # held, they reduce first and step only once every verdict is in.
+                live = {m.node_id for m in self.membership.live()}
+                if self._hold_wanted():
+                    p.hold_apply(live)
+                    break
+                p.await_acks(live)
             if not p.try_advance():
                 self._wake_when_holds_expire()
                 break
@@ -445,12 +463,52 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         settled = self._settled()
         while p.open_ahead(settled=settled):
             logger.info("step %d opens early, on step %d's parameters", p.ahead, p.step)
-        if (p.phase, p.step, p.ahead) != (*before, ahead_before):
-            logger.info("step %d: %s", p.step, p.phase.value)
+        if (p.phase, p.step, p.ahead, p.apply_held, p.attempt) != (
+            *before,
+            ahead_before,
+            held_before,
+            attempt_before,
+        ):
+            logger.info("step %d: %s%s", p.step, p.phase.value, " (held)" if p.apply_held else "")
             await self._publish_step()
         elif p.phase is Phase.SAVING and self._choose_savers():
             await self._publish_step()  # a replica asked to save left: ask another
         self._notify()
+
+    def _hold_wanted(self) -> bool:
+        """Whether the step entering APPLY is held: reduced everywhere before anybody steps,
+        so that a replica benched by its stage's reduce takes its step back with it.
+
+        Only where a bench can happen (a stage with three or more serving replicas: a bench
+        needs a majority of two or more of the others) and only without overlap (steps open
+        ahead would have trained on what is taken back) and with a reduce at every step."""
+        c, p = self.config, self.protocol
+        return (
+            c.pipeline.sync == "every_step"
+            and not p.overlap
+            and c.robust.bench_s > 0
+            and p.attempt < MAX_ATTEMPTS
+            and any(len(self.membership.replicas(s)) >= 3 for s in range(c.pipeline.stages))
+        )
+
+    def _end_hold(self) -> None:
+        """Every node of the held APPLY has reduced (or left): begin the step again without
+        the nodes benched meanwhile, or let everybody step."""
+        p = self.protocol
+        if self._benched_in_apply:
+            gone = ", ".join(sorted(self._benched_in_apply))
+            self.begun_again |= {(node, p.step) for node in self._benched_in_apply}
+            self._benched_in_apply.clear()
+            p.begin_again()
+            logger.warning(
+                "step %d begins again without %s (attempt %d): benched during its reduce, so "
+                "its share of the step would have been lost; nobody had stepped",
+                p.step,
+                gone,
+                p.attempt + 1,
+            )
+            return
+        p.release_apply({m.node_id for m in self.membership.live()})
 
     def _settled(self) -> bool:
         """Whether a step may open early (train.step_overlap): every stage served and no
@@ -736,9 +794,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.StepDoneReply:
         await self._check_caller(request.node_id, context)
         member = self.membership.members.get(request.node_id)
+        before = (self.protocol.phase, self.protocol.step)
+        if request.held:
+            # A held APPLY's reduce is done on that node: it steps once every verdict is in.
+            self.protocol.reduced(request.node_id, request.step)
+            await self._after_change(before)
+            return coordinator_pb2.StepDoneReply()
         if member is not None and member.serving and request.param_digest:
             member.last_step, member.param_digest = request.step, request.param_digest
-        before = (self.protocol.phase, self.protocol.step)
         if self.protocol.ack(request.node_id, request.step):
             logger.info("step %d applied on every node", request.step)
             await self._step_opened()
@@ -866,6 +929,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             ", ".join(entry.reporters),
             entry.reason,
         )
+        if self.protocol.apply_held and entry.step == self.protocol.step:
+            self._benched_in_apply.add(entry.node_id)  # its step begins again without it
         if self.config.robust.bench_s > 0 and not suspect.drained:
             suspect.drained = True  # out of the plan, as Drain does; the node stops
             self.protocol.node_lost(suspect.node_id)
@@ -1082,6 +1147,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     reporters=b.reporters,
                     elapsed_s=b.at - self.started_at,
                     seconds_left=max(b.until - now, 0.0),
+                    step_begun_again=(b.node_id, b.step) in self.begun_again,
                 )
             )
         if self._throughput is None or now - self._throughput[0] > THROUGHPUT_VIEW_S:

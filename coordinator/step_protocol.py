@@ -161,6 +161,13 @@ class StepProtocol:
     """How many steps are open ahead of the current one: step + 1 ... step + _ahead."""
     _drain_next: bool = False
     """No step opens ahead until one opens as a drain point (set after a restart)."""
+    _held: bool = False
+    _held_nodes: set[str] = field(default_factory=set)
+    """The nodes of a held APPLY (less those lost since): all must step once it goes on."""
+    _awaiting_reduce: set[str] = field(default_factory=set)
+    """Nodes of a held APPLY that have not reported their reduce yet."""
+    attempt: int = 0
+    """How often the current step began again after a held APPLY was taken back."""
     run_started_at: float | None = None
 
     # -- step lifecycle -------------------------------------------------
@@ -180,6 +187,8 @@ class StepProtocol:
 
     def _open_step(self, step: int) -> None:
         """Open `step` as the current step: a drain point, on the newest parameters."""
+        if step != self.step:
+            self.attempt = 0
         self.step = step
         self._opened = True
         self._drain_next = False
@@ -268,7 +277,15 @@ class StepProtocol:
             return False
         if self.trains_on(self.step) == self.step and not self._ahead:
             return False
-        steps = set(range(self.step, self.step + self._ahead + 1))
+        self._take_back(set(range(self.step, self.step + self._ahead + 1)))
+        self._ahead = 0
+        self._open_step(self.step)
+        return True
+
+    def _take_back(self, steps: set[int]) -> None:
+        """Retire every lease of `steps`, committed ones too (a late commit is refused), and
+        forget their ranges and stats: their samples are leased again, as replays, when the
+        steps open again."""
         for book in (self._outstanding, self._committed):
             for lease in [x for x in book.values() if x.step in steps]:
                 del book[lease.lease_id]
@@ -277,9 +294,57 @@ class StepProtocol:
                     self.counters.committed -= lease.sample_count
         self._pending = deque(r for r in self._pending if r.step not in steps)
         self.history = [s for s in self.history if s.step not in steps]
-        self._ahead = 0
+
+    # -- a held APPLY: every verdict before any optimizer step ---------------
+
+    def hold_apply(self, node_ids: set[str]) -> None:
+        """Enter the current step's APPLY held: these nodes reduce and report it (`reduced`),
+        and nobody steps its optimizer until `release_apply` (or the step is taken back with
+        `begin_again`). Without overlap only: no step is open ahead to train meanwhile."""
+        assert self.phase is Phase.APPLY and not self._ahead
+        self._awaiting_reduce = set(node_ids)
+        self._held_nodes = set(node_ids)
+        self._held = True
+        self._apply_since = self.clock()
+        self._acks_set = True
+
+    @property
+    def apply_held(self) -> bool:
+        """The current APPLY is held: the nodes reduce but do not step yet."""
+        return self._held and self.phase is Phase.APPLY
+
+    @property
+    def reduce_owed(self) -> frozenset[str]:
+        """The nodes of a held APPLY that have not reported their reduce yet."""
+        return frozenset(self._awaiting_reduce)
+
+    def reduced(self, node_id: str, step: int) -> bool:
+        """A node of a held APPLY has reduced `step`. True when nobody owes it any more."""
+        if not self.apply_held or step != self.step:
+            return False
+        self._awaiting_reduce.discard(node_id)
+        return not self._awaiting_reduce
+
+    def release_apply(self, node_ids: set[str]) -> None:
+        """Let the held APPLY go on: these nodes step their optimizers and acknowledge."""
+        self._held = False
+        self._awaiting_reduce.clear()
+        self._held_nodes.clear()
+        self.await_acks(node_ids)
+
+    def begin_again(self) -> None:
+        """Take the held APPLY's step back and open it again on the same parameters (nobody
+        stepped): the same samples, leased again as replays, go to the nodes still in the
+        plan. `attempt` counts how often the step began again."""
+        assert self.apply_held
+        self._held = False
+        self._awaiting_reduce.clear()
+        self._held_nodes.clear()
+        self._apply_since = None
+        self._take_back({self.step})
+        self.attempt += 1
         self._open_step(self.step)
-        return True
+        self.phase = Phase.TRAINING
 
     def evaluates(self, step: int) -> bool:
         """Whether `step` carries evaluation leases (the round after the last step does)."""
@@ -411,6 +476,8 @@ class StepProtocol:
         for lease in lost:
             self._requeue(lease)
         self._awaiting_ack.discard(node_id)
+        self._awaiting_reduce.discard(node_id)
+        self._held_nodes.discard(node_id)
         self._holds.pop(node_id, None)
         return sum(lease.sample_count for lease in lost)
 
@@ -447,13 +514,14 @@ class StepProtocol:
         """The nodes still owing the current step's acknowledgement `timeout_s` after its
         APPLY began: the coordinator takes them out of the step, so no node that cannot
         finish an APPLY holds the swarm up without end."""
-        if self.phase is not Phase.APPLY or not self._awaiting_ack:
+        owing = frozenset(self._awaiting_reduce if self.apply_held else self._awaiting_ack)
+        if self.phase is not Phase.APPLY or not owing:
             return frozenset()
         if self._apply_since is None:
             self._apply_since = self.clock()
         if self.clock() - self._apply_since <= timeout_s:
             return frozenset()
-        return frozenset(self._awaiting_ack)
+        return owing
 
     def applying_for(self) -> float:
         """Seconds the current APPLY has been awaiting acknowledgements (0 outside one)."""
@@ -501,7 +569,7 @@ class StepProtocol:
         """Open the next step (or finish) once no node still owes an acknowledgement
         and no joining node holds the boundary. A step open ahead becomes the current one
         (in APPLY at once when its leases are all committed already)."""
-        if self.phase is not Phase.APPLY or self._awaiting_ack:
+        if self.phase is not Phase.APPLY or self._awaiting_ack or self.apply_held:
             return False
         if self.overlap and not self._acks_set:
             return False
@@ -525,7 +593,10 @@ class StepProtocol:
 
     @property
     def awaiting(self) -> frozenset[str]:
-        return frozenset(self._awaiting_ack)
+        """The nodes the current APPLY waits for: their acknowledgement, or in a held one their
+        reduce (a coordinator that restarts takes these up as owing acknowledgements: it lets
+        the held APPLY go on)."""
+        return frozenset(self._awaiting_ack | self._held_nodes)
 
     # -- what a restarted coordinator needs (coordinator/state_db.py) --------
 

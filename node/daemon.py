@@ -193,6 +193,11 @@ class NodeDaemon:
         self._topics: Topics | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._applying: set[int] = set()
+        self._attempts: dict[int, int] = {}
+        """Step -> the highest attempt of it seen (StepState.attempt)."""
+        self._go: dict[int, asyncio.Event] = {}
+        """Step -> set when its APPLY comes without hold: a held apply may step."""
+        self._held_applies: dict[int, asyncio.Task[Any]] = {}
         self._last_step_state: control_pb2.StepState | None = None
         self._ready_info: dict[str, Any] = {}
         self._client: aiomqtt.Client | None = None
@@ -617,6 +622,8 @@ class NodeDaemon:
         joined = self.joined = self._build(config, stage, runtime)
         self.peer_admission.stage = stage
         self._applying.clear()  # step numbers of the old stage's applies
+        self._go.clear()
+        self._held_applies.clear()
         await self._add_head(joined)
         set_log_identity(f"node {self.node_id} stage {stage}")
         self._ready_info.update(stage=stage, serving=False)
@@ -838,10 +845,23 @@ class NodeDaemon:
             self.stop("the run has finished")
         elif not self.status.serving:
             return  # a syncing node's state is not the stage's: it applies nothing
+        elif state.attempt > self._attempts.get(state.step, 0):
+            self._attempts[state.step] = state.attempt
+            if state.step == joined.ctx.runtime.step:
+                self._begin_again(joined, state.step, state.attempt)
+            self._on_step(state)  # and act on the phase it carries
         elif state.phase == Phase.PHASE_APPLY and state.step == joined.ctx.runtime.step:
+            if state.attempt < self._attempts.get(state.step, 0):
+                return  # an older attempt's APPLY, delivered late
+            if not state.hold:
+                self._go.setdefault(state.step, asyncio.Event()).set()
             # The version the step trained on (train.step_overlap); its own otherwise.
             trains_on = state.trains_on if joined.ctx.config.train.step_overlap else state.step
-            self._applies.add(self._spawn(self._apply(joined, state.step, trains_on)))
+            if state.step not in self._applying:
+                task = self._spawn(self._apply(joined, state.step, trains_on, state.hold))
+                self._applies.add(task)
+                if state.hold:
+                    self._held_applies[state.step] = task
         elif (
             state.phase == Phase.PHASE_SAVE
             and self.node_id in state.save_from
@@ -849,7 +869,24 @@ class NodeDaemon:
         ):
             self._spawn(joined.checkpointer.save_final(state.step))
 
-    async def _apply(self, joined: _Joined, step: int, trains_on: int) -> None:
+    def _begin_again(self, joined: _Joined, step: int, attempt: int) -> None:
+        """The coordinator took `step` back from a held APPLY (a replica was benched during
+        its reduce) and opens it again: nothing was stepped, so forget this step's sums and
+        reduce and train it again on the same parameters."""
+        task = self._held_applies.pop(step, None)
+        if task is not None:
+            task.cancel()  # it waits for the APPLY without hold, which will not come
+        self._applying.discard(step)
+        self._go.pop(step, None)
+        # The gradient sums start afresh at the step's next microbatch (StageRuntime).
+        joined.replica_sync.forget(step)
+        logger.warning(
+            "step %d begins again (attempt %d): a replica was benched during its reduce",
+            step,
+            attempt + 1,
+        )
+
+    async def _apply(self, joined: _Joined, step: int, trains_on: int, held: bool) -> None:
         runtime = joined.ctx.runtime
         if step in self._applying:
             return  # MQTT delivers at least once: this APPLY is already being handled
@@ -860,6 +897,16 @@ class NodeDaemon:
         if runtime.outer is None:
             reduced, replicas = await joined.replica_sync.reduce(step, trains_on)
             times.reduced(step)
+            go = self._go.setdefault(step, asyncio.Event())
+            if held and not go.is_set():
+                # Every stage's verdict first: a replica benched now takes the step back.
+                await self.coordinator.call(
+                    "StepDone",
+                    coordinator_pb2.StepDoneRequest(node_id=self.node_id, step=step, held=True),
+                )
+                await go.wait()
+            self._held_applies.pop(step, None)
+            self._go.pop(step, None)
             samples = await self.compute.run(
                 BACKWARD, lambda: runtime.apply_step(step, reduced, trains_on=trains_on)
             )

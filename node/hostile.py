@@ -93,6 +93,12 @@ def record(
 
     path = Path(folder) / node_id / f"step-{step}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        # The step began again (a held APPLY that benched a replica): keep the reduce it
+        # took back beside the one that counts.
+        back = path.parent / "taken-back"
+        back.mkdir(exist_ok=True)
+        path.rename(back / path.name)
     payload = {
         "step": step,
         "contributions": {n: (c[0].clone(), c[1], c[2]) for n, c in contributions.items()},

@@ -143,6 +143,14 @@ class ReplicaSync:
             self._rounds[key] = _Round()
         return self._rounds[key]
 
+    def forget(self, step: int) -> None:
+        """The coordinator took `step` back (a held APPLY that benched a replica): what
+        arrived for its reduce belongs to a sum nobody applies, and so does what a stateful
+        codec kept back from ours."""
+        for key in [k for k in self._rounds if k[0] == step]:
+            del self._rounds[key]
+        self._encoder.reset()
+
     def _check_step(self, step: int, delta: bool) -> None:
         runtime = self.ctx.runtime
         # Both exchanges happen before the step number moves past `step` (a
@@ -487,7 +495,8 @@ class ReplicaSync:
         runtime = d.runtime
         if not self._peers():
             return None, 1
-        own = await d.compute.run(BACKWARD, lambda: runtime.local_gradient(step, trains_on))
+        version = step if trains_on is None else trains_on
+        own = await d.compute.run(BACKWARD, lambda: runtime.gradient_for_reduce(step, version))
         agreed = await self.exchange(step, own, delta=False)
         momentum = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime))
         profile = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime, "exp_avg_sq"))

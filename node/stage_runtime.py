@@ -86,6 +86,10 @@ class _StepSum:
     tokens: int = 0
     samples: int = 0
     contributed: set[str] = field(default_factory=set)
+    reduced: bool = False
+    """Taken for the replicas' reduce. A microbatch of the step after that means the
+    coordinator took the step back (a held APPLY that benched a replica) and trains it
+    again on the same parameters: the sum starts afresh."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +354,10 @@ class StageRuntime:
     def _backprop(
         self, saved: _Saved, outputs: torch.Tensor, grad: torch.Tensor | None
     ) -> torch.Tensor | None:
-        total = self._sums.setdefault((saved.step, saved.trains_on), _StepSum())
+        key = (saved.step, saved.trains_on)
+        total = self._sums.get(key)
+        if total is None or total.reduced:
+            total = self._sums[key] = _StepSum()
         first_time = saved.microbatch_id not in total.contributed
         if first_time:
             torch.autograd.backward(outputs, grad)
@@ -421,6 +428,17 @@ class StageRuntime:
         total = self._sum_of(step, trains_on)
         flat = torch.cat([g.reshape(-1) for g in self.gradient_sum(step, trains_on)])
         return flat, total.tokens, total.samples
+
+    def gradient_for_reduce(self, step: int, trains_on: int) -> tuple[torch.Tensor, int, int]:
+        """`local_gradient`, taken for the replicas' reduce of `step`. Taken a second time,
+        the step began again (a held APPLY taken back): only what came since counts, and a
+        replica that got none of the step's microbatches the second time has nothing."""
+        key = (step, trains_on)
+        total = self._sums.get(key)
+        if total is None or total.reduced:
+            total = self._sums[key] = _StepSum()
+        total.reduced = True
+        return self.local_gradient(step, trains_on)
 
     @property
     def n_parameters(self) -> int:

@@ -240,6 +240,8 @@ class StepState(_message.Message):
     SAVE_FROM_FIELD_NUMBER: _builtins.int
     TRAINS_ON_FIELD_NUMBER: _builtins.int
     AHEAD_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     phase: Global___StepState.Phase.ValueType
     samples: _builtins.int
@@ -252,6 +254,15 @@ class StepState(_message.Message):
     """train.step_overlap: steps step + 1 ... ahead are open too, those opened while `step`
     was current training on the parameters after `step` optimizer steps (0: no step is
     open early).
+    """
+    attempt: _builtins.int
+    """How often `step` began again: a held APPLY that benched a replica takes the step back
+    (nobody stepped) and opens it again, the same samples, without that replica. A node
+    that sees a higher attempt of its current step forgets its sums and reduce of it.
+    """
+    hold: _builtins.bool
+    """APPLY: held. Reduce, report it (StepDone with held set), and step the optimizer only
+    on the APPLY of the same step and attempt without hold.
     """
     @_builtins.property
     def save_from(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -266,10 +277,12 @@ class StepState(_message.Message):
         save_from: _abc.Iterable[_builtins.str] | None = ...,
         trains_on: _builtins.int = ...,
         ahead: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+        hold: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead", b"ahead", "phase", b"phase", "samples", b"samples", "save_from", b"save_from", "step", b"step", "trains_on", b"trains_on"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead", b"ahead", "attempt", b"attempt", "hold", b"hold", "phase", b"phase", "samples", b"samples", "save_from", b"save_from", "step", b"step", "trains_on", b"trains_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

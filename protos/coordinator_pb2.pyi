@@ -346,6 +346,7 @@ class StepDoneRequest(_message.Message):
     SAMPLES_FIELD_NUMBER: _builtins.int
     PARAM_DIGEST_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     step: _builtins.int
     samples: _builtins.int
@@ -354,6 +355,10 @@ class StepDoneRequest(_message.Message):
     """hash of the stage's parameters after the step"""
     replicas: _builtins.int
     """replicas whose gradients were reduced"""
+    held: _builtins.bool
+    """A held APPLY (StepState.hold): the step is reduced here, not applied yet; the node
+    steps on the APPLY without hold and then sends StepDone again, without this.
+    """
     def __init__(
         self,
         *,
@@ -362,10 +367,11 @@ class StepDoneRequest(_message.Message):
         samples: _builtins.int = ...,
         param_digest: _builtins.str = ...,
         replicas: _builtins.int = ...,
+        held: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "param_digest", b"param_digest", "replicas", b"replicas", "samples", b"samples", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "node_id", b"node_id", "param_digest", b"param_digest", "replicas", b"replicas", "samples", b"samples", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -881,6 +887,7 @@ class BenchRecord(_message.Message):
     REPORTERS_FIELD_NUMBER: _builtins.int
     ELAPSED_S_FIELD_NUMBER: _builtins.int
     SECONDS_LEFT_FIELD_NUMBER: _builtins.int
+    STEP_BEGUN_AGAIN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     stage: _builtins.int
     reason: _builtins.str
@@ -889,6 +896,10 @@ class BenchRecord(_message.Message):
     """seconds since the coordinator started"""
     seconds_left: _builtins.float
     """until it may join again"""
+    step_begun_again: _builtins.bool
+    """Benched during a held APPLY: its step began again without it, the same samples on the
+    same parameters, so its share of the step was not lost.
+    """
     @_builtins.property
     def reporters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -901,10 +912,11 @@ class BenchRecord(_message.Message):
         reporters: _abc.Iterable[_builtins.str] | None = ...,
         elapsed_s: _builtins.float = ...,
         seconds_left: _builtins.float = ...,
+        step_begun_again: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "node_id", b"node_id", "reason", b"reason", "reporters", b"reporters", "seconds_left", b"seconds_left", "stage", b"stage", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "node_id", b"node_id", "reason", b"reason", "reporters", b"reporters", "seconds_left", b"seconds_left", "stage", b"stage", "step", b"step", "step_begun_again", b"step_begun_again"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -440,6 +440,7 @@ class Testnet:
                 "step": b.step,
                 "reporters": list(b.reporters),
                 "elapsed_s": b.elapsed_s,
+                "step_begun_again": b.step_begun_again,
             }
             for b in status.benched
         ]

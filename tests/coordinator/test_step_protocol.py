@@ -227,3 +227,51 @@ def test_the_nodes_owing_an_apply_are_overdue_only_past_the_bound() -> None:
     p.node_lost("b")
     assert p.overdue(10.0) == frozenset() and p.try_advance() and p.step == 1
     assert p.applying_for() == 0.0
+
+
+def test_a_held_apply_waits_for_every_reduce_then_goes_on() -> None:
+    clock = Clock()
+    p = make(steps=3, clock=clock)
+    _finish_training(p)
+    p.hold_apply({"a", "b", "x"})
+    assert p.apply_held and p.reduce_owed == {"a", "b", "x"}
+    assert not p.try_advance()  # nobody steps while it is held
+    assert not p.reduced("a", 0)
+    p.node_lost("x")  # gone before its reduce: not waited for, not awaited for an ack
+    clock.now = 11.0
+    assert p.overdue(10.0) == {"b"}  # the reduce is bounded like the acknowledgement
+    assert p.reduced("b", 0) and p.awaiting == {"a", "b"}
+    p.release_apply({"a", "b"})
+    assert not p.apply_held and p.awaiting == {"a", "b"}
+    assert not p.ack("a", 0) and p.ack("b", 0)
+    assert p.phase is Phase.TRAINING and p.step == 1 and p.attempt == 0
+
+
+def test_a_held_apply_taken_back_leases_the_same_samples_again() -> None:
+    p = make(steps=3)
+    leases = []
+    while (lease := p.lease("h")) is not None:
+        leases.append(lease)
+        assert p.commit("h", lease.lease_id, 1.0, lease.sample_count) is None
+    p.hold_apply({"a", "b", "x"})
+    p.node_lost("x")
+    assert p.reduced("a", 0) is False and p.reduced("b", 0)
+    p.begin_again()
+    assert p.phase is Phase.TRAINING and p.step == 0 and p.attempt == 1
+    assert not p.apply_held and p.awaiting == frozenset()
+    assert p.counters.committed == 0  # the step's samples are not in any step yet
+    again = []
+    while (lease := p.lease("a")) is not None:
+        again.append(lease)
+    assert [(x.sample_start, x.sample_count) for x in again] == [
+        (x.sample_start, x.sample_count) for x in leases
+    ]
+    assert all(x.replay for x in again) and p.counters.replayed == 10
+    # A commit of the step taken back is refused: its gradient is in no sum now.
+    assert p.commit("h", leases[0].lease_id, 0.0, 1) is not None
+    for x in again:
+        assert p.commit("a", x.lease_id, 0.0, 1) is None
+    p.await_acks({"a", "b"})
+    assert not p.ack("a", 0) and p.ack("b", 0)
+    assert p.step == 1 and p.attempt == 0  # a new step starts at attempt 0
+    assert p.counters.committed == 10 and p.counters.lost == 0

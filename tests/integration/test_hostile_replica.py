@@ -63,6 +63,7 @@ def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_report
     assert [b.node_id for b in final.benched] == ["nx"]
     bench = final.benched[0]
     assert list(bench.reporters) == ["n0", "n1"] and "the bound is 10x" in bench.reason
+    assert bench.step_begun_again
     assert final.reports >= 2
     coordinator_log = (tmp_path / "coordinator.log").read_text()
     assert "node nx (stage 0) benched" in coordinator_log
@@ -94,6 +95,7 @@ def test_a_replica_sending_noise_is_dropped_benched_and_the_honest_ones_stay_equ
     assert [b.node_id for b in final.benched] == ["nx"]
     bench = final.benched[0]
     assert list(bench.reporters) == ["n0", "n1"] and "as equal a root-mean-square" in bench.reason
+    assert bench.step_begun_again
     assert final.reports >= 2
     dropped = _equal_to_the_run_without_nx(records, tiny, 12, final)
     assert dropped and dropped[0] == bench.step
@@ -103,30 +105,42 @@ def _equal_to_the_run_without_nx(  # type: ignore[no-untyped-def]
     records: Path, tiny, steps: int, final: coordinator_pb2.StatusReply
 ) -> list[int]:
     """Check that n0 and n1 agreed on every reduce's inputs and verdict, that nx was dropped
-    at every step it had traffic and nobody else ever, and that both honest replicas hold
-    the parameters of the same run without nx; the steps nx was dropped at."""
+    at every step it had traffic and nobody else ever, that each such step began again
+    without it (the reduce it took back is kept under taken-back/) and so lost no sample,
+    and that both honest replicas hold the parameters of the same run without nx; the
+    steps nx was dropped at."""
+    config = load_config(None, [*tiny, "pipeline.stages=1"])
+    tokens_per_step = config.train.global_batch * config.model.context
     recorded = sorted(int(p.stem.split("-")[1]) for p in (records / "n0").glob("step-*.pt"))
     assert recorded == list(range(steps))
-    replay = StageRuntime(load_config(None, [*tiny, "pipeline.stages=1"]), 0)
+    replay = StageRuntime(config, 0)
     dropped: list[int] = []
     for step in recorded:
-        r0 = torch.load(records / "n0" / f"step-{step}.pt")
-        r1 = torch.load(records / "n1" / f"step-{step}.pt")
-        assert r0["accepted"] == r1["accepted"] and r0["rejected"] == r1["rejected"]
-        assert set(r0["contributions"]) == set(r1["contributions"])
-        for node, (flat, tokens, samples) in r0["contributions"].items():
-            other = r1["contributions"][node]
-            assert torch.equal(flat, other[0]) and (tokens, samples) == other[1:]
-        if "nx" in r0["contributions"] and r0["contributions"]["nx"][1] > 0:
-            assert set(r0["rejected"]) == {"nx"}, step  # whenever nx had traffic
-            dropped.append(step)
-        else:  # nx had no traffic (its zero sum adds nothing), or it was gone
-            assert set(r0["rejected"]) == set(), step
-        honest = {n: r0["contributions"][n] for n in ("n0", "n1")}
+        for folder in ("", "taken-back"):
+            paths = [records / n / folder / f"step-{step}.pt" for n in ("n0", "n1")]
+            if not any(path.exists() for path in paths):
+                continue
+            assert all(path.exists() for path in paths), step  # both began again, or neither
+            r0, r1 = (torch.load(path) for path in paths)
+            assert r0["accepted"] == r1["accepted"] and r0["rejected"] == r1["rejected"]
+            assert set(r0["contributions"]) == set(r1["contributions"])
+            for node, (flat, tokens, samples) in r0["contributions"].items():
+                other = r1["contributions"][node]
+                assert torch.equal(flat, other[0]) and (tokens, samples) == other[1:]
+            if "nx" in r0["contributions"] and r0["contributions"]["nx"][1] > 0:
+                assert set(r0["rejected"]) == {"nx"}, step  # whenever nx had traffic
+                assert folder == "taken-back", step  # and then its step began again
+                dropped.append(step)
+            else:  # nx had no traffic (its zero sum adds nothing), or it was gone
+                assert set(r0["rejected"]) == set(), step
+        last = torch.load(records / "n0" / f"step-{step}.pt")
+        honest = {n: last["contributions"][n] for n in ("n0", "n1")}
+        assert sum(c[1] for c in honest.values()) == tokens_per_step, step  # nothing lost
         replay.apply_step(step, plain_sum(honest))
     honest_nodes = [n for n in final.nodes if n.node_id in ("n0", "n1")]
     assert all(n.last_step == steps - 1 for n in honest_nodes)
     assert {n.param_digest for n in honest_nodes} == {replay.parameter_digest()}
+    assert final.counters.lost == 0
     return dropped
 
 
