@@ -193,11 +193,10 @@ class NodeDaemon:
         self._topics: Topics | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._applying: set[int] = set()
-        self._attempts: dict[int, int] = {}
-        """Step -> the highest attempt of it seen (StepState.attempt)."""
         self._go: dict[int, asyncio.Event] = {}
         """Step -> set when its APPLY comes without hold: a held apply may step."""
         self._held_applies: dict[int, asyncio.Task[Any]] = {}
+        """Step -> its held APPLY (StepState.hold), from its arrival until it may step."""
         self._last_step_state: control_pb2.StepState | None = None
         self._ready_info: dict[str, Any] = {}
         self._client: aiomqtt.Client | None = None
@@ -845,14 +844,14 @@ class NodeDaemon:
             self.stop("the run has finished")
         elif not self.status.serving:
             return  # a syncing node's state is not the stage's: it applies nothing
-        elif state.attempt > self._attempts.get(state.step, 0):
-            self._attempts[state.step] = state.attempt
-            if state.step == joined.ctx.runtime.step:
-                self._begin_again(joined, state.step, state.attempt)
-            self._on_step(state)  # and act on the phase it carries
+        elif (
+            state.phase == Phase.PHASE_TRAINING
+            and state.step == joined.ctx.runtime.step
+            and state.step in self._held_applies
+        ):
+            # A held APPLY goes on (APPLY without hold) or its step trains again: this one.
+            self._begin_again(joined, state.step, state.attempt)
         elif state.phase == Phase.PHASE_APPLY and state.step == joined.ctx.runtime.step:
-            if state.attempt < self._attempts.get(state.step, 0):
-                return  # an older attempt's APPLY, delivered late
             if not state.hold:
                 self._go.setdefault(state.step, asyncio.Event()).set()
             # The version the step trained on (train.step_overlap); its own otherwise.
