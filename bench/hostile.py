@@ -8,14 +8,14 @@ F). The coordinator leases the same samples at every step in both runs, so their
 per-step training losses compare directly. Prints JSON: both loss curves, the
 relative difference per step, its mean and maximum, the final losses, and whom
 the coordinator benched and why. The hostile replica is dropped from the first
-reduce it is judged in, so its samples leave that step's update; then it is
-benched and the other replicas take its traffic.
+reduce it is judged in and benched there; that step begins again without it
+(a held APPLY, coordinator/step_protocol.py), so no sample leaves the update
+and the two curves agree to float rounding.
 
 A second clean run (`--clean-runs 2`, the default) is the floor to read the
-figures against: which replica gets which microbatch depends on timing, and the
-centred clip of three differs from the plain sum of two, so two clean runs of
-the same seed differ too, and the tiny model's loss spikes (a step at 5.5
-among steps at 3.3) turn that into per-step gaps of tens of percent.
+figures against: which replica gets which microbatch depends on timing, which
+changes only the order of float sums now that honest replicas take the plain
+mean (robust.clip_radius).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ pipeline and commit. When every lease of the step is committed the step enters
 APPLY: every node steps its optimizer and acknowledges, and only then does step
 s+1 open, so no microbatch ever meets half-updated parameters.
 
+Held APPLY (`hold_apply`, where the service wants one): the nodes reduce and report it
+before anybody steps; then the APPLY goes on (`release_apply`) or, when the reduce benched a
+replica, the step is taken back and opened again (`begin_again`): its leases retired and
+its samples leased again as replays, on the same parameters, since nobody stepped.
+
 Evaluation (train.eval_every > 0): a step whose index is a multiple of eval_every also
 carries evaluation leases, ranges of held-out samples that heads run forward only; the step
 cannot end before they are committed, so they measure the parameters the step trains from.
