@@ -654,7 +654,8 @@ class RobustConfig:
     reduce contribution at this many steps among the last four (coordinator/suspects.py):
     the screens are statistical and an honest gradient fails one now and then; a hostile
     replica fails at every reduce it is judged in. Each drop is reported either way. A
-    verdict of the tensor-scale screen with a witness is conclusive and benches at once."""
+    conclusive verdict (the tensor-scale screen with a witness, or a norm 10x past
+    reduce_norm_ratio) benches at once."""
 
     def __post_init__(self) -> None:
         for name in ("reduce_norm_ratio", "data_norm_ratio"):

@@ -15,13 +15,14 @@ benched it; on the tests' tiny model an honest gradient came out as unrelated
 as noise at 2-5 % of steps). Its contribution is dropped and reported each
 time, so one odd step costs that step's share, not a node for `bench_s`; a
 hostile replica fails at every reduce it is judged in, and is benched at its
-second. One screen is exempt: a contribution as even across tensors as noise,
-beside a witness that shows honest ones are not (the tensor-scale screen), is a
-verdict no honest gradient has come near (hundreds of sigma apart), so when a
-majority calls theirs conclusive the first one benches: a noise sender costs one
-step's share, not two. A data-plane refusal has only one witness (the receiving
-node), so one report benches: a hostile node can bench its neighbours that way, a
-known limit until calls carry credentials.
+second. Some verdicts no honest gradient has come near: a contribution as even
+across tensors as noise beside a witness that shows honest ones are not (hundreds
+of sigma apart), or a norm ten times past the norm screen's bound (honest ones
+reached 26x the median, x1000 is 1000x). When a majority calls theirs conclusive
+the first one benches, and during a held APPLY its step begins again without it.
+A data-plane refusal has only one witness (the receiving node), so one report
+benches: a hostile node can bench its neighbours that way, a known limit until
+calls carry credentials.
 
 A benched node is drained (out of the plan; it stops) and its Join is refused
 until `bench_s` has passed. A data-plane report never benches the only serving

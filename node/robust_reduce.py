@@ -128,6 +128,10 @@ MOMENT = "(second moment)"  # exp_avg_sq's name among the tensor-scale screen's 
 # sparse stage) drops nobody instead of everybody. Random tokens on the test model's random
 # weights relate at 5.3 sigma: 2x would miss the noise among them.
 EVIDENCE = 1.5
+# A norm this many times past the norm screen's bound is a conclusive verdict (the coordinator
+# benches on the first): honest gradients reached 16x and 26x the others' median at loss
+# spikes, against a bound of 10x; a sender of x1000 comes out at about 1000x.
+CONCLUSIVE_NORMS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +148,8 @@ class Aggregate:
     """Senders whose offset the centred clip shortened in any of its iterations."""
     conclusive: tuple[str, ...] = ()
     """Dropped senders whose verdict no honest gradient has come near (the tensor-scale
-    screen, with a witness): the coordinator benches on one such verdict, not two."""
+    screen with a witness, a norm CONCLUSIVE_NORMS times past its bound): the coordinator
+    benches on one such verdict, not two."""
 
 
 def _f32(x: float) -> float:
@@ -252,6 +257,8 @@ def _screen(
             continue
         median_norm = _median([norms[n] for n in others])
         if median_norm > 0 and norms[node] > norm_ratio * median_norm:
+            if norms[node] > CONCLUSIVE_NORMS * norm_ratio * median_norm:
+                conclusive.add(node)
             rejected[node] = (
                 f"norm {norms[node]:.3g} per {unit} is {norms[node] / median_norm:.3g}x the "
                 f"median of the other replicas' ({median_norm:.3g}); the bound is "

@@ -835,7 +835,7 @@ class ReportPeerRequest(_message.Message):
     kind: Global___ReportPeerRequest.Kind.ValueType
     reason: _builtins.str
     conclusive: _builtins.bool
-    """REDUCE only: a screen no honest gradient has come near dropped it (node/robust_reduce.py),
+    """REDUCE only: a verdict no honest gradient has come near (node/robust_reduce.py),
     so one majority verdict benches the suspect instead of robust.bench_verdicts of them.
     """
     def __init__(

@@ -30,12 +30,10 @@ STEPS = 6
 def test_a_replica_sending_its_gradient_times_1000_is_dropped_benched_and_reported(
     procs, tiny, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    # Bench at the first verdict: the norm screen's is not conclusive, the fastest replica
-    # leases most microbatches, and nx had traffic at one step of six in one run (the
-    # two-verdict rule is test_suspects.py's).
-    coordinator, records = _swarm_with_hostile(
-        procs, tiny, tmp_path, "scale:1000", STEPS, "robust.bench_verdicts=1"
-    )
+    # x1000 is far past any honest norm: a conclusive verdict, so the default rule (two
+    # verdicts) benches at the first (the fastest replica leases most microbatches, and nx
+    # had traffic at one step of six in one run).
+    coordinator, records = _swarm_with_hostile(procs, tiny, tmp_path, "scale:1000", STEPS)
     channel = grpc.insecure_channel(coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:

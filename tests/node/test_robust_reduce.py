@@ -48,6 +48,11 @@ def test_a_scaled_contribution_fails_the_median_bound_even_with_two_replicas() -
     assert set(three.rejected) == {"x"}
     # The divisor loses the dropped sender's tokens.
     assert three.total[1] == 64 + 32 + 96
+    # x1000 is far past what honest gradients reach (26x): conclusive. 20x is not.
+    assert two.conclusive == three.conclusive == ("x",)
+    odd = (_honest(2)[0] * 20, 64, 8)
+    twenty = aggregate({**_three(), "x": odd}, per="tokens", **KW)
+    assert set(twenty.rejected) == {"x"} and twenty.conclusive == ()
 
 
 def test_norms_are_compared_per_token_so_uneven_traffic_passes() -> None:
