@@ -114,7 +114,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -132,6 +132,15 @@ EVIDENCE = 1.5
 # benches on the first): honest gradients reached 16x and 26x the others' median at loss
 # spikes, against a bound of 10x; a sender of x1000 comes out at about 1000x.
 CONCLUSIVE_NORMS = 10.0
+
+
+class Verdicts(NamedTuple):
+    """What the screens found."""
+
+    rejected: dict[str, str]
+    """Node id -> one line saying why its contribution was dropped."""
+    conclusive: set[str]
+    """The dropped senders whose verdict no honest gradient has come near."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,33 +197,7 @@ def screen(
     profile: torch.Tensor | None = None,
     sizes: Sequence[int] | None = None,
     tensor_sigmas: float = 0.0,
-) -> dict[str, str]:
-    """Node id -> why its contribution fails the finite, count, norm, tensor-scale, profile
-    and direction screens (see `_screen`)."""
-    rejected, _ = _screen(
-        contributions,
-        per=per,
-        norm_ratio=norm_ratio,
-        direction_sigmas=direction_sigmas,
-        reference=reference,
-        profile=profile,
-        sizes=sizes,
-        tensor_sigmas=tensor_sigmas,
-    )
-    return rejected
-
-
-def _screen(
-    contributions: Mapping[str, Contribution],
-    *,
-    per: Per,
-    norm_ratio: float,
-    direction_sigmas: float = 0.0,
-    reference: torch.Tensor | None = None,
-    profile: torch.Tensor | None = None,
-    sizes: Sequence[int] | None = None,
-    tensor_sigmas: float = 0.0,
-) -> tuple[dict[str, str], set[str]]:
+) -> Verdicts:
     """Node id -> why its contribution fails the finite, count, norm, tensor-scale, profile
     and direction screens, and the nodes among them whose verdict is conclusive.
 
@@ -283,7 +266,7 @@ def _screen(
         left = [n for n in left if n not in rejected]
     if direction_sigmas > 0:
         rejected |= _unrelated(contributions, left, direction_sigmas, reference)
-    return rejected, conclusive
+    return Verdicts(rejected, conclusive)
 
 
 def tensor_mean_squares(flat: torch.Tensor, sizes: Sequence[int]) -> list[float]:
@@ -493,7 +476,7 @@ def aggregate(
     tensor_sigmas: float = 0.0,
 ) -> Aggregate:
     """Screen the contributions, drop the failures, and combine the rest (see the module)."""
-    rejected, conclusive = _screen(
+    rejected, conclusive = screen(
         contributions,
         per=per,
         norm_ratio=norm_ratio,

@@ -34,7 +34,8 @@ def test_a_non_finite_contribution_is_dropped_and_named() -> None:
     inf = _honest(5)[0].clone()
     inf[0] = float("inf")
     assert (
-        "infinite" in screen({"a": _honest(1), "x": (inf, 64, 8)}, per="tokens", norm_ratio=10)["x"]
+        "infinite"
+        in screen({"a": _honest(1), "x": (inf, 64, 8)}, per="tokens", norm_ratio=10).rejected["x"]
     )
 
 
@@ -62,20 +63,20 @@ def test_norms_are_compared_per_token_so_uneven_traffic_passes() -> None:
         "b": _honest(2, tokens=8),
         "c": _honest(3, tokens=96),
     }
-    assert screen(contributions, per="tokens", norm_ratio=10) == {}
+    assert screen(contributions, per="tokens", norm_ratio=10).rejected == {}
 
 
 def test_an_inflated_token_count_is_dropped() -> None:
     flat, _, samples = _honest(4)
     liar = (flat * 1000, 64_000, samples)  # normal per-token norm, 1000x the weight
-    rejected = screen({**_three(), "x": liar}, per="tokens", norm_ratio=10)
+    rejected = screen({**_three(), "x": liar}, per="tokens", norm_ratio=10).rejected
     assert set(rejected) == {"x"} and "claims 64000 tokens" in rejected["x"]
 
 
 def test_a_nonzero_sum_over_no_tokens_is_dropped_and_an_idle_replica_is_not() -> None:
     idle = (torch.zeros(1000), 0, 0)
     forged = (torch.ones(1000), 0, 0)
-    rejected = screen({**_three(), "idle": idle, "x": forged}, per="tokens", norm_ratio=10)
+    rejected = screen({**_three(), "idle": idle, "x": forged}, per="tokens", norm_ratio=10).rejected
     assert set(rejected) == {"x"}
 
 
@@ -102,7 +103,7 @@ def test_the_centred_clip_bounds_the_pull_of_noise_of_a_plausible_norm() -> None
     noise = torch.randn(1000, generator=torch.Generator().manual_seed(7))
     noise = noise * (flat.norm() / noise.norm())
     poisoned = {**honest, "x": (noise, tokens, samples)}
-    assert screen(poisoned, per="tokens", norm_ratio=10) == {}  # it passes the norm screen
+    assert screen(poisoned, per="tokens", norm_ratio=10).rejected == {}  # it passes the norm screen
     result = aggregate(poisoned, per="tokens", **KW)
     assert "x" in result.clipped
     clean_mean = plain_sum(honest)[0] / plain_sum(honest)[1]
@@ -165,7 +166,7 @@ def test_noise_of_a_plausible_norm_fails_the_direction_screen_and_honest_ones_pa
     assert aggregate(honest, per="tokens", direction_sigmas=3.0, **KW).rejected == {}
     # A sign-flipped gradient is related to the others (negatively): left to the clip.
     flipped = {**honest, "x": (-_honest(9)[0], tokens, samples)}
-    assert screen(flipped, per="tokens", norm_ratio=10, direction_sigmas=3.0) == {}
+    assert screen(flipped, per="tokens", norm_ratio=10, direction_sigmas=3.0).rejected == {}
     assert "x" in aggregate(flipped, per="tokens", direction_sigmas=3.0, **KW).clipped
 
 
@@ -196,7 +197,7 @@ def test_two_with_traffic_are_judged_only_beside_a_momentum_they_can_relate_to()
 def test_three_vectors_all_unrelated_drop_nobody() -> None:
     # The old screen dropped all three here: each was as unrelated to the others as noise.
     trio = {n: _noise_like(_honest(i), 10 + i) for i, n in enumerate(("a", "b", "c"))}
-    assert screen(trio, per="tokens", norm_ratio=10, direction_sigmas=3.0) == {}
+    assert screen(trio, per="tokens", norm_ratio=10, direction_sigmas=3.0).rejected == {}
     # Three with traffic and the momentum as a fourth witness: the noise is dropped.
     momentum = torch.linspace(-1, 1, 1000)
     mixed = {"a": _honest(1), "b": _honest(3), "x": _noise_like(_honest(2))}
