@@ -236,6 +236,14 @@ class CheckpointStore:
 
     def _commit(self, stage: int, step: int, tmp: Path) -> Path:
         final = self.stage_dir(stage) / f"step-{step:09d}.ckpt"
+        newer = [s for s, _ in self.checkpoints(stage) if s > step]
+        if len(newer) >= self.keep:
+            # Kept, it would be the oldest beyond `keep` and deleted at once: the caller would
+            # be told of a file that is not there.
+            raise PeerError(
+                f"a checkpoint of stage {stage} at step {step} is older than the {self.keep} "
+                f"kept here (up to step {max(newer)})"
+            )
         os.replace(tmp, final)
         fsync_path(final.parent)
         for _, old in self.checkpoints(stage)[: -self.keep]:

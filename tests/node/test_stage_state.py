@@ -225,11 +225,13 @@ def test_checkpoint_store_keeps_the_latest_and_round_trips(tmp_path: Path) -> No
     store = CheckpointStore(tmp_path, config.run_id, keep=2)
     runtime = _trained(config, 1, 1)
     digests = {}
+    uploads = []
     for step in range(1, 4):
         snapshot = runtime.export_state(node_id="a").seal()
         digests[snapshot.step] = runtime.parameter_digest()
         writer = store.receive(1)
-        for message in state_messages(snapshot.manifest, snapshot.chunks()):
+        uploads.append(list(state_messages(snapshot.manifest, snapshot.chunks())))
+        for message in uploads[-1]:
             writer.add(message)
         writer.commit()
         _one_step(runtime, step)
@@ -243,6 +245,15 @@ def test_checkpoint_store_keeps_the_latest_and_round_trips(tmp_path: Path) -> No
         receiver.add(message)
     target.import_state(receiver.finish())
     assert target.step == step == 3 and target.parameter_digest() == digests[3]
+    # A late upload of a step older than every kept one would be deleted as it lands (the
+    # fuzzer found the store answering with a path that was gone): refused, nothing changes.
+    writer = store.receive(1)
+    with pytest.raises(PeerError, match="step 1 is older than the 2 kept here"):
+        for message in uploads[0]:
+            writer.add(message)
+        writer.commit()
+    assert [step for step, _ in store.checkpoints(1)] == [2, 3]
+    assert not list(store.stage_dir(1).glob(".incoming-*"))
 
 
 def test_checkpoint_store_refuses_a_corrupt_upload_and_keeps_the_old_one(tmp_path: Path) -> None:
