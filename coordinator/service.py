@@ -493,19 +493,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _end_hold(self) -> None:
         """Every node of the held APPLY has reduced (or left): begin the step again without
-        the nodes benched meanwhile, or let everybody step."""
+        the nodes benched or lost before their reduce meanwhile (their share of the step
+        would be missing), or let everybody step. A step whose stage lost its last replica
+        goes on: nobody could train it again there."""
         p = self.protocol
-        if self._benched_in_apply:
-            gone = ", ".join(sorted(self._benched_in_apply))
-            self.begun_again |= {(node, p.step) for node in self._benched_in_apply}
-            self._benched_in_apply.clear()
+        benched, lost = set(self._benched_in_apply), set(p.lost_in_hold) - self._benched_in_apply
+        self._benched_in_apply.clear()
+        if (benched or lost) and self.membership.covered():
+            self.begun_again |= {(node, p.step) for node in benched}
             p.begin_again()
+            why = [f"{', '.join(sorted(benched))} benched"] if benched else []
+            why += [f"{', '.join(sorted(lost))} gone"] if lost else []
             logger.warning(
-                "step %d begins again without %s (attempt %d): benched during its reduce, so "
-                "its share of the step would have been lost; nobody had stepped",
+                "step %d begins again (attempt %d): %s during its reduce, so a share of the "
+                "step would have been lost; nobody had stepped",
                 p.step,
-                gone,
                 p.attempt + 1,
+                " and ".join(why),
             )
             return
         p.release_apply({m.node_id for m in self.membership.live()})

@@ -171,6 +171,9 @@ class StepProtocol:
     """The nodes of a held APPLY (less those lost since): all must step once it goes on."""
     _awaiting_reduce: set[str] = field(default_factory=set)
     """Nodes of a held APPLY that have not reported their reduce yet."""
+    _lost_in_hold: set[str] = field(default_factory=set)
+    """Nodes of a held APPLY lost before they reported their reduce: their share of the
+    step may be missing from the others' sums."""
     attempt: int = 0
     """How often the current step began again after a held APPLY was taken back."""
     run_started_at: float | None = None
@@ -309,6 +312,7 @@ class StepProtocol:
         assert self.phase is Phase.APPLY and not self._ahead
         self._awaiting_reduce = set(node_ids)
         self._held_nodes = set(node_ids)
+        self._lost_in_hold.clear()
         self._held = True
         self._apply_since = self.clock()
         self._acks_set = True
@@ -317,6 +321,11 @@ class StepProtocol:
     def apply_held(self) -> bool:
         """The current APPLY is held: the nodes reduce but do not step yet."""
         return self._held and self.phase is Phase.APPLY
+
+    @property
+    def lost_in_hold(self) -> frozenset[str]:
+        """Nodes of the held APPLY lost before they reported their reduce."""
+        return frozenset(self._lost_in_hold)
 
     @property
     def reduce_owed(self) -> frozenset[str]:
@@ -481,6 +490,8 @@ class StepProtocol:
         for lease in lost:
             self._requeue(lease)
         self._awaiting_ack.discard(node_id)
+        if self.apply_held and node_id in self._awaiting_reduce:
+            self._lost_in_hold.add(node_id)
         self._awaiting_reduce.discard(node_id)
         self._held_nodes.discard(node_id)
         self._holds.pop(node_id, None)

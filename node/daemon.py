@@ -880,7 +880,7 @@ class NodeDaemon:
         # The gradient sums start afresh at the step's next microbatch (StageRuntime).
         joined.replica_sync.forget(step)
         logger.warning(
-            "step %d begins again (attempt %d): a replica was benched during its reduce",
+            "step %d begins again (attempt %d): a replica was benched or lost during its reduce",
             step,
             attempt + 1,
         )

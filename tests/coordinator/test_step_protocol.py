@@ -238,9 +238,12 @@ def test_a_held_apply_waits_for_every_reduce_then_goes_on() -> None:
     assert not p.try_advance()  # nobody steps while it is held
     assert not p.reduced("a", 0)
     p.node_lost("x")  # gone before its reduce: not waited for, not awaited for an ack
+    assert p.lost_in_hold == {"x"}  # its share may be missing: the service may begin again
     clock.now = 11.0
     assert p.overdue(10.0) == {"b"}  # the reduce is bounded like the acknowledgement
     assert p.reduced("b", 0) and p.awaiting == {"a", "b"}
+    p.node_lost("a")  # after its reduce: the others hold its share
+    assert p.lost_in_hold == {"x"}
     p.release_apply({"a", "b"})
     assert not p.apply_held and p.awaiting == {"a", "b"}
     assert not p.ack("a", 0) and p.ack("b", 0)

@@ -122,6 +122,10 @@ def test_a_replica_killed_inside_the_reduce_is_dropped_and_the_others_agree(  # 
             log = (tmp_path / f"{name}.log").read_text()
             assert f"step {paused['step']}: contributions of ['n2'] dropped" in log, log[-3000:]
             assert "in time; dropped" not in log
+            # The APPLY was held (three replicas): the step began again without n2, so its
+            # share of the samples was not lost.
+            assert f"step {paused['step']} begins again" in log, log[-3000:]
+        assert final.counters.replayed > 0
     finally:
         coordinator.channel.close()
 
