@@ -7,7 +7,7 @@ replicas, whichever stage each fresh node went to: one may register before the
 coordinator has seen the node it replaces die, and the next rebalancing round then
 moves a replica where one is missing (docs/design.md, placement). The run must
 finish with lost == 0, every stage's live replicas bit-identical, and a final loss
-within 5% of the same run without churn. That run is the
+(the last ten steps' mean) within 5% of the same run without churn. That run is the
 single-process reference: the lossless replicated pipeline equals it to
 1e-4 (tests/integration/test_training.py), and it costs one process, not six.
 """
@@ -101,8 +101,12 @@ def test_replicas_killed_and_replaced_during_the_run_lose_nothing(procs, tiny) -
         # test timeout with it).
         torch.set_num_threads(1)
         baseline = train_single_process(load_config(None, settings))
-        got, want = final.steps[-1].loss, baseline[-1]
         assert baseline[-1] < 0.8 * baseline[0], "the baseline did not learn"
+        # The final loss as the mean of the last ten steps' (the same samples on both sides):
+        # one step's loss 120 steps in swings with where a perturbed trajectory's loss spikes
+        # land (the last step alone came out 7.8 % off in one run of four).
+        got = sum(s.loss for s in final.steps[-10:]) / 10
+        want = sum(baseline[-10:]) / 10
         assert abs(got - want) / want < 0.05, f"final loss {got} vs {want} without churn"
     finally:
         channel.close()
