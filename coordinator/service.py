@@ -297,7 +297,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _may_move(self) -> bool:
         p = self.protocol
-        return bool(p.history) and p.phase not in (Phase.SAVING, Phase.DONE)
+        # Not while an APPLY is held: a node moved before it reported its reduce would take
+        # its share of the step with it, and the step would begin again for a move.
+        return bool(p.history) and p.phase not in (Phase.SAVING, Phase.DONE) and not p.apply_held
 
     def _step_costs(self) -> StepCosts | None:
         """A step's fixed costs as measured over the last steps (fleet_model.step_costs)."""
@@ -501,6 +503,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._benched_in_apply.clear()
         if (benched or lost) and self.membership.covered():
             self.begun_again |= {(node, p.step) for node in benched}
+            # What was reported of the step's reduce so far stays a verdict (a bench, or a
+            # step counted toward one), but reports of two attempts never add up to one.
+            self.suspects.forget_reports(p.step)
             p.begin_again()
             why = [f"{', '.join(sorted(benched))} benched"] if benched else []
             why += [f"{', '.join(sorted(lost))} gone"] if lost else []

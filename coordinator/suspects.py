@@ -138,6 +138,13 @@ class Suspects:
         self.history.append(entry)
         return entry
 
+    def forget_reports(self, step: int) -> None:
+        """`step` begins again: its reports so far count for no majority of the next attempt
+        (the majorities already reached, in `convicted` and `benched`, stay)."""
+        for key in [k for k in self.reports if k[1] == step]:
+            del self.reports[key]
+            self.sure.pop(key, None)
+
     def is_benched(self, node_id: str, now: float) -> bool:
         entry = self.benched.get(node_id)
         if entry is None:

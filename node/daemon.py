@@ -195,8 +195,9 @@ class NodeDaemon:
         self._applying: set[int] = set()
         self._go: dict[int, asyncio.Event] = {}
         """Step -> set when its APPLY comes without hold: a held apply may step."""
-        self._held_applies: dict[int, asyncio.Task[Any]] = {}
-        """Step -> its held APPLY (StepState.hold), from its arrival until it may step."""
+        self._held_applies: dict[int, tuple[int, asyncio.Task[Any]]] = {}
+        """Step -> the attempt and task of its held APPLY (StepState.hold), from its arrival
+        until it may step."""
         self._last_step_state: control_pb2.StepState | None = None
         self._ready_info: dict[str, Any] = {}
         self._client: aiomqtt.Client | None = None
@@ -852,6 +853,11 @@ class NodeDaemon:
             # A held APPLY goes on (APPLY without hold) or its step trains again: this one.
             self._begin_again(joined, state.step, state.attempt)
         elif state.phase == Phase.PHASE_APPLY and state.step == joined.ctx.runtime.step:
+            held = self._held_applies.get(state.step)
+            if state.hold and held is not None and state.attempt > held[0]:
+                # The step began again and its TRAINING never reached us (a reconnect gets
+                # the retained message only): the held APPLY waiting is of an attempt gone.
+                self._begin_again(joined, state.step, state.attempt - 1)
             if not state.hold:
                 self._go.setdefault(state.step, asyncio.Event()).set()
             # The version the step trained on (train.step_overlap); its own otherwise.
@@ -860,7 +866,7 @@ class NodeDaemon:
                 task = self._spawn(self._apply(joined, state.step, trains_on, state.hold))
                 self._applies.add(task)
                 if state.hold:
-                    self._held_applies[state.step] = task
+                    self._held_applies[state.step] = (state.attempt, task)
         elif (
             state.phase == Phase.PHASE_SAVE
             and self.node_id in state.save_from
@@ -872,9 +878,9 @@ class NodeDaemon:
         """The coordinator took `step` back from a held APPLY (a replica was benched during
         its reduce) and opens it again: nothing was stepped, so forget this step's sums and
         reduce and train it again on the same parameters."""
-        task = self._held_applies.pop(step, None)
-        if task is not None:
-            task.cancel()  # it waits for the APPLY without hold, which will not come
+        held = self._held_applies.pop(step, None)
+        if held is not None:
+            held[1].cancel()  # it waits for the APPLY without hold, which will not come
         self._applying.discard(step)
         self._go.pop(step, None)
         # The gradient sums start afresh at the step's next microbatch (StageRuntime).

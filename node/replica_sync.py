@@ -487,16 +487,18 @@ class ReplicaSync:
         self, step: int, trains_on: int | None = None
     ) -> tuple[Contribution | None, int]:
         """Combine this stage's gradients of `step` (on version `trains_on`, default its own)
-        over its live replicas; (None, 1) when alone.
+        over its live replicas; its own sum, and 1, when alone.
 
         Returns the (sum, tokens, samples) to apply and how many contributions it holds.
         """
         d = self.ctx
         runtime = d.runtime
-        if not self._peers():
-            return None, 1
         version = step if trains_on is None else trains_on
+        # Taken even when alone: a step that begins again (a held APPLY taken back) must
+        # start this replica's sum afresh, as it does its peers' (StageRuntime).
         own = await d.compute.run(BACKWARD, lambda: runtime.gradient_for_reduce(step, version))
+        if not self._peers():
+            return own, 1
         agreed = await self.exchange(step, own, delta=False)
         momentum = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime))
         profile = await d.compute.run(BACKWARD, lambda: gradient_momentum(runtime, "exp_avg_sq"))

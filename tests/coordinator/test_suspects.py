@@ -101,3 +101,14 @@ def test_a_conclusive_majority_verdict_benches_at_once_but_one_reporter_cannot_m
     assert _report(s, "x", "c", {"a", "x", "d"}, step=2, conclusive=True) is None
     assert _report(s, "a", "c", {"a", "x", "d"}, step=2) is None
     assert not s.is_benched("c", 100.0)
+
+
+def test_reports_of_a_step_begun_again_do_not_add_up_with_the_next_attempts() -> None:
+    # x (hostile, say) reports honest c in the first attempt; one honest false positive in
+    # the second must not make that a majority.
+    s = Suspects(bench_s=60.0)
+    peers = {"a", "x", "d"}
+    assert _report(s, "x", "c", peers, step=2, conclusive=True) is None
+    s.forget_reports(2)
+    assert _report(s, "a", "c", peers, step=2, conclusive=True) is None
+    assert not s.is_benched("c", 100.0) and "c" not in s.convicted

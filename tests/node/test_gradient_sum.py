@@ -78,3 +78,22 @@ def test_a_step_starts_its_sum_from_zero() -> None:
     alone = _after([0], batches)
     # Parameters moved, so compare shapes and that the sum holds one microbatch's worth.
     assert runtime.local_gradient()[1] == alone.local_gradient()[1]
+
+
+def test_a_step_trained_again_after_its_reduce_sums_only_the_new_attempt() -> None:
+    # A held APPLY taken back: the same microbatch ids come again. Whatever this replica got
+    # the first time, only what it gets the second time counts (a replica alone in its
+    # stage too: it takes its sum for the reduce as its peers do).
+    batches = _microbatches(3)
+    runtime = _after([0, 1, 2], batches)
+    first, tokens, samples = runtime.gradient_for_reduce(0, 0)
+    assert (tokens, samples) == (96, 6)
+    x, labels = batches[1]
+    runtime.forward_last("mb1", x, labels)  # attempt 1: one microbatch here, the rest elsewhere
+    again, tokens, samples = runtime.gradient_for_reduce(0, 0)
+    alone = _after([1], batches).local_gradient()
+    assert (tokens, samples) == (32, 2) and torch.equal(again, alone[0])
+    # Attempt 2 brings it nothing: nothing counts.
+    nothing, tokens, samples = runtime.gradient_for_reduce(0, 0)
+    assert (tokens, samples) == (0, 0) and not nothing.any()
+    assert not torch.equal(first, again)

@@ -127,6 +127,21 @@ async def test_replicas_sum_both_contributions_in_the_same_order(
     assert torch.equal(sum_a[0], grads[0] + grads[1])
 
 
+async def test_a_replica_alone_takes_its_own_sum_and_a_step_begun_again_starts_afresh(
+    pair: tuple[Replica, Replica],
+) -> None:
+    a, _ = pair
+    a.ctx.router.set_plan(_plan({"a": a.address}))
+    grad = a.train_on(1)
+    total, replicas = await a.replica_sync.reduce(0)
+    assert replicas == 1 and total is not None and total[1:] == (16, 2)
+    assert torch.equal(total[0], grad)
+    # The coordinator took the step back; the same microbatch comes again: counted once.
+    a.train_on(1)
+    again, _ = await a.replica_sync.reduce(0)
+    assert again is not None and again[1:] == (16, 2) and torch.equal(again[0], grad)
+
+
 @pytest.mark.parametrize("pair", [["pipeline.reduce_codec=int8"]], indirect=True)
 async def test_a_lossy_reduce_codec_still_gives_bit_identical_sums(
     pair: tuple[Replica, Replica],
