@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from swarmpipe.process.ready import poll_until, read_ready_file, wait_ready_file
-from swarmpipe.protos import coordinator_pb2
+from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
 from swarmpipe.transport.auth import ADMIN_TOKEN_KEY, CREDENTIAL_KEY, ROLE_COORDINATOR, RunKey
 from tests.reaper import start_reaper
 
@@ -164,6 +164,12 @@ def run_to_end(stub: Any, timeout: float = 240) -> coordinator_pb2.StatusReply:
         "the run to finish",
     )
     return final
+
+
+def run_to_end_at(target: str, timeout: float = 240) -> coordinator_pb2.StatusReply:
+    """`run_to_end` over a channel of its own to the coordinator at `target`."""
+    with grpc.insecure_channel(target) as channel:
+        return run_to_end(coordinator_pb2_grpc.CoordinatorStub(channel), timeout)
 
 
 def organiser_channel(target: str, state_dir: Path) -> grpc.Channel:

@@ -10,11 +10,9 @@ agree to the end of the run and nothing is lost.
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
-from swarmpipe.protos import coordinator_pb2_grpc
-from tests.conftest import run_to_end
+from tests.conftest import run_to_end_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,12 +25,7 @@ def test_a_replica_that_drifted_is_re_synced_and_the_replicas_agree_again(procs,
     procs.wait_serving("n0")
     marker = procs.tmp / "n1.drifted"
     procs.node("n1", coordinator, env={"SWARMPIPE_PAUSE_AT": f"apply.drift:5:{marker}"})
-    channel = grpc.insecure_channel(coordinator)
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-    try:
-        final = run_to_end(stub)
-    finally:
-        channel.close()
+    final = run_to_end_at(coordinator)
     assert marker.exists(), "n1 never reached the fault point"
     (move,) = [m for m in final.moves if m.node_id == "n1"]
     assert (move.from_stage, move.to_stage) == (0, 0)

@@ -20,7 +20,7 @@ from swarmpipe.config import load_config
 from swarmpipe.node.robust_reduce import plain_sum
 from swarmpipe.node.stage_runtime import StageRuntime
 from swarmpipe.protos import coordinator_pb2, coordinator_pb2_grpc
-from tests.conftest import run_to_end
+from tests.conftest import run_to_end, run_to_end_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -83,12 +83,7 @@ def test_a_replica_sending_noise_is_dropped_benched_and_the_honest_ones_stay_equ
     coordinator, records = _swarm_with_hostile(
         procs, tiny, tmp_path, "noise", 12, "train.microbatch=2", "pipeline.in_flight=1",
     )  # fmt: skip
-    channel = grpc.insecure_channel(coordinator)
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-    try:
-        final = run_to_end(stub)
-    finally:
-        channel.close()
+    final = run_to_end_at(coordinator)
     # Benched for its tensors' equal scales, never an honest replica; each drop was reported.
     assert [b.node_id for b in final.benched] == ["nx"]
     bench = final.benched[0]
