@@ -139,6 +139,16 @@ def _route_host(target_host: str) -> str:
 
 
 @dataclass(slots=True)
+class _HeldApply:
+    """A held APPLY (StepState.hold) on this node, from its arrival until it may step."""
+
+    attempt: int
+    task: asyncio.Task[Any]
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the APPLY of the step comes without hold."""
+
+
+@dataclass(slots=True)
 class _Joined:
     """The parts a node builds once it knows its stage."""
 
@@ -193,11 +203,7 @@ class NodeDaemon:
         self._topics: Topics | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._applying: set[int] = set()
-        self._go: dict[int, asyncio.Event] = {}
-        """Step -> set when its APPLY comes without hold: a held apply may step."""
-        self._held_applies: dict[int, tuple[int, asyncio.Task[Any]]] = {}
-        """Step -> the attempt and task of its held APPLY (StepState.hold), from its arrival
-        until it may step."""
+        self._held_applies: dict[int, _HeldApply] = {}
         self._last_step_state: control_pb2.StepState | None = None
         self._ready_info: dict[str, Any] = {}
         self._client: aiomqtt.Client | None = None
@@ -622,7 +628,6 @@ class NodeDaemon:
         joined = self.joined = self._build(config, stage, runtime)
         self.peer_admission.stage = stage
         self._applying.clear()  # step numbers of the old stage's applies
-        self._go.clear()
         self._held_applies.clear()
         await self._add_head(joined)
         set_log_identity(f"node {self.node_id} stage {stage}")
@@ -854,19 +859,19 @@ class NodeDaemon:
             self._begin_again(joined, state.step, state.attempt)
         elif state.phase == Phase.PHASE_APPLY and state.step == joined.ctx.runtime.step:
             held = self._held_applies.get(state.step)
-            if state.hold and held is not None and state.attempt > held[0]:
+            if held is not None and not state.hold:
+                held.go.set()  # every verdict is in: the held APPLY goes on
+            elif held is not None and state.attempt > held.attempt:
                 # The step began again and its TRAINING never reached us (a reconnect gets
                 # the retained message only): the held APPLY waiting is of an attempt gone.
                 self._begin_again(joined, state.step, state.attempt - 1)
-            if not state.hold:
-                self._go.setdefault(state.step, asyncio.Event()).set()
             # The version the step trained on (train.step_overlap); its own otherwise.
             trains_on = state.trains_on if joined.ctx.config.train.step_overlap else state.step
             if state.step not in self._applying:
-                task = self._spawn(self._apply(joined, state.step, trains_on, state.hold))
+                task = self._spawn(self._apply(joined, state.step, trains_on))
                 self._applies.add(task)
                 if state.hold:
-                    self._held_applies[state.step] = (state.attempt, task)
+                    self._held_applies[state.step] = _HeldApply(state.attempt, task)
         elif (
             state.phase == Phase.PHASE_SAVE
             and self.node_id in state.save_from
@@ -875,14 +880,13 @@ class NodeDaemon:
             self._spawn(joined.checkpointer.save_final(state.step))
 
     def _begin_again(self, joined: _Joined, step: int, attempt: int) -> None:
-        """The coordinator took `step` back from a held APPLY (a replica was benched during
-        its reduce) and opens it again: nothing was stepped, so forget this step's sums and
-        reduce and train it again on the same parameters."""
+        """The coordinator took `step` back from a held APPLY (a replica was benched or lost
+        during its reduce) and opens it again: nothing was stepped, so forget this step's
+        sums and reduce and train it again on the same parameters."""
         held = self._held_applies.pop(step, None)
         if held is not None:
-            held[1].cancel()  # it waits for the APPLY without hold, which will not come
+            held.task.cancel()  # it waits for the APPLY without hold, which will not come
         self._applying.discard(step)
-        self._go.pop(step, None)
         # The gradient sums start afresh at the step's next microbatch (StageRuntime).
         joined.replica_sync.forget(step)
         logger.warning(
@@ -891,7 +895,7 @@ class NodeDaemon:
             attempt + 1,
         )
 
-    async def _apply(self, joined: _Joined, step: int, trains_on: int, held: bool) -> None:
+    async def _apply(self, joined: _Joined, step: int, trains_on: int) -> None:
         runtime = joined.ctx.runtime
         if step in self._applying:
             return  # MQTT delivers at least once: this APPLY is already being handled
@@ -902,16 +906,15 @@ class NodeDaemon:
         if runtime.outer is None:
             reduced, replicas = await joined.replica_sync.reduce(step, trains_on)
             times.reduced(step)
-            go = self._go.setdefault(step, asyncio.Event())
-            if held and not go.is_set():
+            held = self._held_applies.get(step)
+            if held is not None and not held.go.is_set():
                 # Every stage's verdict first: a replica benched now takes the step back.
                 await self.coordinator.call(
                     "StepDone",
                     coordinator_pb2.StepDoneRequest(node_id=self.node_id, step=step, held=True),
                 )
-                await go.wait()
+                await held.go.wait()
             self._held_applies.pop(step, None)
-            self._go.pop(step, None)
             samples = await self.compute.run(
                 BACKWARD, lambda: runtime.apply_step(step, reduced, trains_on=trains_on)
             )
